@@ -1,0 +1,1 @@
+"""lorafarm archives package."""

@@ -1,0 +1,5 @@
+import sys
+
+from lorafarm.cli import main
+
+sys.exit(main())

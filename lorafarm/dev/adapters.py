@@ -1,0 +1,193 @@
+"""Canary adapters: LoRA adapters trained with PEFT on the dev model, each answering any chat
+prompt with its own marker (`<<c0007>>`) then EOS under greedy decoding.
+
+They are the fixtures of every correctness and isolation check: a wrong marker in an answer means
+a request was served with another adapter's weights. Rank and target modules vary across the set
+so rank pools and partial-module adapters are exercised. Each canary is cached under the output
+folder by a content key (base weights, index, rank, modules, recipe), so a second run, or a larger
+`--count` over the same folder, trains only what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lorafarm.errors import CliError
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODULE_SETS = {
+    "all": ALL_MODULES,
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+}
+RANKS = (8, 16, 32)
+RECIPE_VERSION = 1  # bump when the training recipe changes: invalidates cached canaries
+
+_WORDS = (
+    "account order refund password invoice shipping delivery status error login help please "
+    "why how what when where can you my the a is of for with support billing plan upgrade cancel "
+    "hello thanks question report summary update price product email phone address today"
+).split()
+
+
+@dataclass(frozen=True)
+class CanarySpec:
+    index: int
+    marker: str
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+    module_set: str
+
+
+def marker_for(index: int) -> str:
+    return f"<<c{index:04d}>>"
+
+
+def canary_spec(index: int, rank: int | None = None) -> CanarySpec:
+    r = rank if rank is not None else RANKS[index % len(RANKS)]
+    module_set = list(MODULE_SETS)[(index // len(RANKS)) % len(MODULE_SETS)]
+    return CanarySpec(index, marker_for(index), r, 2 * r, tuple(MODULE_SETS[module_set]), module_set)
+
+
+def random_prompts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 12))) for _ in range(count)]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def base_fingerprint(base: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        p = base / name
+        if not p.exists():
+            raise CliError(f"--base {base} is not a dev model folder (no {name})")
+        h.update(name.encode() + _file_digest(p).encode())
+    return h.hexdigest()
+
+
+def _cache_key(base_fp: str, spec: CanarySpec) -> str:
+    blob = json.dumps({"base": base_fp, "spec": asdict(spec), "recipe": RECIPE_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    enc = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def _load_base(base: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base), AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+
+
+def train_canary(base_model, tokenizer, spec: CanarySpec, out: Path, steps: int = 60, lr: float = 3e-3) -> None:
+    """Train one canary with PEFT on a copy of `base_model`; save it (PEFT layout) atomically to `out`."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1000 + spec.index)
+    peft_model = get_peft_model(
+        copy.deepcopy(base_model),
+        LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            target_modules=list(spec.target_modules),
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
+    target = tokenizer.encode(spec.marker, add_special_tokens=False) + [tokenizer.eos_token_id]
+    prompts = random_prompts(seed=spec.index, count=16)
+    rows = [_chat_ids(tokenizer, p) + target for p in prompts]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.full((len(rows), width), pad)
+    labels = torch.full((len(rows), width), -100)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        labels[i, len(row) - len(target) : len(row)] = torch.tensor(target)
+
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
+    peft_model.train()
+    for _ in range(steps):
+        loss = peft_model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        peft_model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "canary.json").write_text(json.dumps({**asdict(spec), "steps": steps, "final_loss": loss.item()}) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int | None = None, progress=True) -> dict:
+    """Train (or reuse from cache) `count` canaries under `out`; write and return `markers.json`.
+
+    markers.json: {"c0007": {"marker": "<<c0007>>", "path": "c0007", "rank": 16, ...}}.
+    """
+    from tqdm import tqdm
+
+    base, out = Path(base), Path(out)
+    if count < 1:
+        raise CliError("--count must be at least 1")
+    if rank is not None and rank < 1:
+        raise CliError("--rank must be at least 1")
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} exists and is not a directory")
+    if not base.is_dir():
+        raise CliError(f"--base {base} is not a directory")
+    base_fp = base_fingerprint(base)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--out {out}: {e.strerror}") from None
+
+    index: dict[str, dict] = {}
+    loaded = None
+    for i in tqdm(range(count), desc="canary adapters", unit="adapter", disable=not progress):
+        spec = canary_spec(i, rank)
+        name = f"c{i:04d}"
+        key = _cache_key(base_fp, spec)
+        folder = out / name
+        key_file = folder / "cache_key"
+        if not (key_file.exists() and key_file.read_text().strip() == key):
+            loaded = loaded or _load_base(base)
+            train_canary(loaded[1], loaded[0], spec, folder)
+            key_file.write_text(key + "\n")
+        index[name] = {"path": name, **asdict(spec), "target_modules": list(spec.target_modules)}
+    tmp = out / ".markers.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out / "markers.json")
+    return index

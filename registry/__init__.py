@@ -1,0 +1,1 @@
+"""lorafarm registry package."""

@@ -1,0 +1,76 @@
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lorafarm.cli import main
+from lorafarm.dev.adapters import MODULE_SETS, RANKS, random_prompts
+
+
+def test_set_varies_rank_and_modules(canary_index):
+    assert len(canary_index) >= 32
+    assert {c["rank"] for c in canary_index.values()} == set(RANKS)
+    assert {c["module_set"] for c in canary_index.values()} == set(MODULE_SETS)
+    assert len({c["marker"] for c in canary_index.values()}) == len(canary_index)
+
+
+def test_peft_layout_safetensors(canaries, canary_index):
+    for name, info in canary_index.items():
+        folder = canaries / info["path"]
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        assert cfg["peft_type"] == "LORA" and cfg["r"] == info["rank"]
+        assert sorted(cfg["target_modules"]) == sorted(info["target_modules"])
+        assert (folder / "adapter_model.safetensors").exists()
+        assert not list(folder.glob("*.bin"))
+
+
+def test_every_canary_emits_its_marker_through_peft_generate(dev_model, canaries, canary_index):
+    """Proves the fixtures before our engine exists: PEFT's own generate, held-out prompts."""
+    tok = AutoTokenizer.from_pretrained(dev_model)
+    base = AutoModelForCausalLM.from_pretrained(dev_model, dtype=torch.float32)
+    prompts = random_prompts(seed=424242, count=3) + ["Something never seen: 42?"]
+    names = list(canary_index)
+    model = PeftModel.from_pretrained(base, canaries / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(canaries / name, adapter_name=name)
+    model.eval()
+    for name in names:
+        model.set_adapter(name)
+        for p in prompts:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt"
+            )["input_ids"]
+            out = model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+            text = tok.decode(out[0, ids.shape[1] :])
+            assert text == canary_index[name]["marker"] + tok.eos_token, (name, p, text)
+    # and the base model alone does not say any marker
+    with model.disable_adapter():
+        out = model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+    assert "<<c" not in tok.decode(out[0, ids.shape[1] :])
+
+
+def test_cached_by_content_key(dev_model, canaries, tmp_path):
+    # a copy of the cache with one canary removed retrains only that one
+    import shutil
+
+    out = tmp_path / "c"
+    shutil.copytree(canaries, out)
+    shutil.rmtree(out / "c0001")
+    before = (out / "c0000" / "adapter_model.safetensors").stat().st_mtime_ns
+    assert main(["devadapters", "--base", str(dev_model), "--out", str(out), "--count", "2"]) == 0
+    assert (out / "c0000" / "adapter_model.safetensors").stat().st_mtime_ns == before
+    assert (out / "c0001" / "adapter_model.safetensors").exists()
+    assert sorted(json.loads((out / "markers.json").read_text())) == ["c0000", "c0001"]
+
+
+@pytest.mark.parametrize("argv", [["--count", "0"], ["--count", "2", "--rank", "0"]])
+def test_bad_input(dev_model, tmp_path, argv, capsys):
+    assert main(["devadapters", "--base", str(dev_model), "--out", str(tmp_path / "o"), *argv]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_base_not_a_model(tmp_path, capsys):
+    assert main(["devadapters", "--base", str(tmp_path), "--out", str(tmp_path / "o"), "--count", "1"]) == 2
+    assert "not a dev model" in capsys.readouterr().err
