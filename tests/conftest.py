@@ -52,3 +52,39 @@ def canaries(dev_model: Path) -> Path:
 @pytest.fixture(scope="session")
 def canary_index(canaries: Path) -> dict[str, dict]:
     return json.loads((canaries / "markers.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API (moto's server mode) on 127.0.0.1; our aioboto3 code talks to it unchanged."""
+    from moto.server import ThreadedMotoServer
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket on the moto server; yields its name."""
+    import uuid
+
+    import boto3
+
+    name = f"lorafarm-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name
