@@ -39,7 +39,7 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest benchmarks --benchmark-only --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)
 
 loadtest: $(VENV)/.installed-dev
-	$(BIN)/lorafarm loadtest --state-dir $(STATE_DIR)
+	$(BIN)/lorafarm loadtest --ab
 
 isolation: $(VENV)/.installed-dev
 	LORAFARM_ISOLATION_REQUESTS=10000 $(BIN)/python -m pytest tests/e2e -k isolation $(PYTEST_ARGS)

@@ -1,0 +1,330 @@
+"""`lorafarm up`: the whole farm on one machine (registry, router, N replicas as child processes).
+
+On first run it prepares everything a newcomer needs offline: the dev model, demo canary adapters,
+the registry's signing key and an admin token; it then seeds a demo tenant, uploads the demo
+adapters through the registry as a training job would, sets aliases and writes
+`<state-dir>/farm.json` (DESIGN.md section 3). A second run on the same state dir reuses all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from lorafarm.errors import CliError
+
+BASE_MODEL_NAME = "lorafarm-dev-tiny"
+DEMO_TENANT = "demo"
+DEMO_ADAPTERS = 4
+
+
+@dataclass
+class FarmPorts:
+    router: int = 8000
+    registry: int = 8100
+    replica_base: int = 8200
+
+    @classmethod
+    def free(cls, replicas: int) -> "FarmPorts":
+        """Ports the OS says are free now: for tests and `lorafarm demo`, which must not collide."""
+        ports = [_free_port() for _ in range(2)]
+        base = _free_port_range(replicas)
+        return cls(router=ports[0], registry=ports[1], replica_base=base)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_port_range(n: int) -> int:
+    for _ in range(50):
+        start = _free_port()
+        if all(_port_is_free(start + i) for i in range(n)):
+            return start
+    raise CliError("no free range of ports for the replicas")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass
+class Farm:
+    """The child processes of one farm and the files that describe it."""
+
+    state_dir: Path
+    replicas: int = 2
+    ports: FarmPorts = field(default_factory=FarmPorts)
+    host: str = "127.0.0.1"
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    progress: bool = True
+    demo_adapters: int = DEMO_ADAPTERS
+    router_strategy: str | None = None  # None: the router's default (least tokens in flight)
+
+    # -- files ------------------------------------------------------------------------------
+    @property
+    def model_dir(self) -> Path:
+        return self.state_dir / "models" / BASE_MODEL_NAME
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.state_dir / "demo-adapters"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.state_dir / "keys"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def farm_json(self) -> Path:
+        return self.state_dir / "farm.json"
+
+    def url(self, port: int) -> str:
+        return f"http://{self.host}:{port}"
+
+    @property
+    def registry_url(self) -> str:
+        return self.url(self.ports.registry)
+
+    @property
+    def router_url(self) -> str:
+        return self.url(self.ports.router)
+
+    def replica_url(self, i: int) -> str:
+        return self.url(self.ports.replica_base + i)
+
+    def prepare(self) -> None:
+        """Dev model, demo canaries, signing key, admin token: made once, reused after."""
+        from lorafarm.dev.adapters import write_dev_adapters
+        from lorafarm.dev.model import write_dev_model
+
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.logs_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise CliError(f"--state-dir {self.state_dir}: {e.strerror}") from None
+        if not (self.model_dir / "model.safetensors").exists():
+            self._say(f"generating the dev model in {self.model_dir}")
+            write_dev_model(self.model_dir, size="tiny", seed=0, force=True)
+        self._say("preparing demo adapters (trained once with PEFT, then cached)")
+        write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
+        if not (self.keys_dir / "private.pem").exists():
+            from archives.keys import generate_keypair
+
+            generate_keypair(self.keys_dir)
+        token_file = self.state_dir / "admin_token"
+        if not token_file.exists():
+            token_file.write_text(secrets.token_urlsafe(32) + "\n")
+            token_file.chmod(0o600)
+        self.admin_token = token_file.read_text().strip()
+
+    # -- processes --------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.logs_dir / f"{name}.log", "ab")
+        env = {**os.environ, "LORAFARM_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "lorafarm", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+        )
+
+    def start(self) -> None:
+        state = self.state_dir.resolve()
+        self._spawn(
+            "registry",
+            [
+                "registry",
+                "--host", self.host,
+                "--port", str(self.ports.registry),
+                "--database-url", f"sqlite+aiosqlite:///{state / 'registry.db'}",
+                "--store-url", f"file://{state / 'store'}",
+                "--signing-key", str(state / "keys" / "private.pem"),
+                "--base-model", f"{BASE_MODEL_NAME}={self.model_dir.resolve()}",
+            ],
+        )  # fmt: skip
+        self.wait_healthy("registry", self.registry_url)
+        for i in range(self.replicas):
+            rid = f"r{i}"
+            self._spawn(
+                f"replica-{rid}",
+                [
+                    "replica",
+                    "--id", rid,
+                    "--host", self.host,
+                    "--port", str(self.ports.replica_base + i),
+                    "--base", str(self.model_dir.resolve()),
+                    "--model-name", BASE_MODEL_NAME,
+                    "--registry", self.registry_url,
+                    "--store-url", f"file://{state / 'store'}",
+                    "--trust", str(state / "keys" / "public.pem"),
+                    "--disk-dir", str(state / "replicas" / rid),
+                ],
+            )  # fmt: skip
+        self.start_router()
+        for i in range(self.replicas):
+            self.wait_healthy(f"replica-r{i}", self.replica_url(i))
+        self.wait_healthy("router", self.router_url)
+
+    def start_router(self) -> None:
+        args = ["router", "--host", self.host, "--port", str(self.ports.router), "--registry", self.registry_url]
+        if self.router_strategy:
+            args += ["--strategy", self.router_strategy]
+        self._spawn("router", args)
+
+    def restart_router(self, strategy: str | None) -> None:
+        """Same farm, another routing strategy: for A/B runs over identical replicas and caches."""
+        proc = self.procs.pop("router")
+        proc.terminate()
+        proc.wait(timeout=15)
+        self.router_strategy = strategy
+        self.start_router()
+        self.wait_healthy("router", self.router_url)
+
+    def wait_healthy(self, name: str, url: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                tail = (self.logs_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise CliError(f"{name} exited with status {proc.returncode}; log tail:\n{tail}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise CliError(f"{name} did not become healthy at {url} within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every child (router first, registry last), then SIGKILL what is left."""
+        order = ["router", *[n for n in self.procs if n.startswith("replica-")], "registry"]
+        for name in order:
+            proc = self.procs.get(name)
+            if proc and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    # -- seeding ----------------------------------------------------------------------------
+    def seed(self) -> dict:
+        """Demo tenant, its key and aliases; adapters uploaded as a training job would."""
+        return asyncio.run(self._seed())
+
+    async def _seed(self) -> dict:
+        from lorafarm.registry_client import RegistryClient
+
+        previous = json.loads(self.farm_json.read_text()) if self.farm_json.exists() else {}
+        tenants_before = {t["tenant_id"]: t for t in previous.get("tenants", [])}
+        markers = json.loads((self.adapters_dir / "markers.json").read_text())
+        async with RegistryClient(self.registry_url, self.admin_token) as reg:
+            known = {t["tenant_id"] for t in await reg.list_tenants()}
+            if DEMO_TENANT in known and DEMO_TENANT in tenants_before:
+                api_key = tenants_before[DEMO_TENANT]["api_key"]
+            elif DEMO_TENANT in known:
+                api_key = (await reg.create_key(DEMO_TENANT))["api_key"]
+            else:
+                api_key = (await reg.create_tenant(DEMO_TENANT))["api_key"]
+            aliases = {}
+            for name, info in sorted(markers.items()):
+                alias = f"{DEMO_TENANT}/{name}:prod"
+                adapter = await reg.upload_adapter(self.adapters_dir / info["path"], DEMO_TENANT, alias=alias)
+                aliases[alias] = adapter["adapter_id"]
+        farm = {
+            "router_url": self.router_url,
+            "registry_url": self.registry_url,
+            "admin_token": self.admin_token,
+            "tenants": [{"tenant_id": DEMO_TENANT, "api_key": api_key, "aliases": aliases}],
+            "replicas": [
+                {"replica_id": f"r{i}", "url": self.replica_url(i), "pid": self.procs[f"replica-r{i}"].pid}
+                for i in range(self.replicas)
+            ],
+            "base_models": {BASE_MODEL_NAME: str(self.model_dir.resolve())},
+            "markers": {f"{DEMO_TENANT}/{n}:prod": m["marker"] for n, m in markers.items()},
+        }
+        tmp = self.farm_json.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(farm, indent=2) + "\n")
+        tmp.chmod(0o600)  # holds the admin token and an API key
+        os.replace(tmp, self.farm_json)
+        return farm
+
+    def _say(self, msg: str) -> None:
+        if self.progress:
+            print(f"lorafarm: {msg}", file=sys.stderr, flush=True)
+
+
+def wait_router_ready(farm: dict, timeout: float = 60.0) -> None:
+    """Until the router's catalog lists the demo aliases (its first registry poll has landed)."""
+    tenant = farm["tenants"][0]
+    want = set(tenant["aliases"])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(
+                f"{farm['router_url']}/v1/models",
+                headers={"Authorization": f"Bearer {tenant['api_key']}"},
+                timeout=2.0,
+            )
+            if r.status_code == 200 and want <= {m["id"] for m in r.json()["data"]}:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise CliError("the router did not list the demo aliases in time")
+
+
+def examples(farm: dict) -> str:
+    tenant = farm["tenants"][0]
+    alias = sorted(tenant["aliases"])[0]
+    base = farm["router_url"] + "/v1"
+    return f"""
+lorafarm is up.
+  router (OpenAI API)   {base}
+  registry              {farm['registry_url']}   (admin token in farm.json)
+  API key (tenant {tenant['tenant_id']})  {tenant['api_key']}
+  aliases               {', '.join(sorted(tenant['aliases']))}
+
+curl:
+  curl -N {base}/chat/completions \\
+    -H "Authorization: Bearer {tenant['api_key']}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{alias}", "messages": [{{"role": "user", "content": "hello"}}], "max_tokens": 16, "stream": true}}'
+
+python (openai client):
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}", api_key="{tenant['api_key']}")
+  r = client.chat.completions.create(model="{alias}", messages=[{{"role": "user", "content": "hello"}}], max_tokens=16)
+  print(r.choices[0].message.content)
+
+Ctrl-C stops the farm.
+"""

@@ -1,0 +1,88 @@
+"""`lorafarm up` (the farm in the foreground) and `lorafarm demo` (start, one streamed chat, stop)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _up(args: argparse.Namespace) -> int:
+    from lorafarm.farm import Farm, FarmPorts, examples, wait_router_ready
+
+    ports = FarmPorts(router=args.port, registry=args.registry_port, replica_base=args.replica_port)
+    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports)
+    stopping = False
+
+    def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        farm.prepare()
+        farm.start()
+        info = farm.seed()
+        wait_router_ready(info)
+        print(examples(info), flush=True)
+        print(f"farm.json: {farm.farm_json}", flush=True)
+        signal.pause()
+    except KeyboardInterrupt:
+        print("lorafarm: stopping", file=sys.stderr)
+    finally:
+        farm.stop()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from openai import OpenAI
+
+    from lorafarm.farm import Farm, FarmPorts, wait_router_ready
+
+    with tempfile.TemporaryDirectory(prefix="lorafarm-demo-") as tmp:
+        state = Path(args.state_dir) if args.state_dir else Path(tmp)
+        farm = Farm(state, replicas=args.replicas, ports=FarmPorts.free(args.replicas))
+        try:
+            farm.prepare()
+            farm.start()
+            info = farm.seed()
+            wait_router_ready(info)
+            tenant = info["tenants"][0]
+            alias = sorted(tenant["aliases"])[0]
+            client = OpenAI(base_url=info["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0)
+            stream = client.chat.completions.create(
+                model=alias,
+                messages=[{"role": "user", "content": args.prompt}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+            )
+            answer = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            print(f"{alias}: {answer}")
+            expected = info["markers"][alias]
+            if answer != expected:
+                print(f"lorafarm demo: error: expected {expected!r}", file=sys.stderr)
+                return 1
+        finally:
+            farm.stop()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="run registry, router and N replicas on this machine")
+    p.add_argument("--replicas", type=int, default=2, help="number of replicas (default 2)")
+    p.add_argument("--state-dir", default="var", help="where models, store, database, logs live (default var)")
+    p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    p.add_argument("--registry-port", type=int, default=8100, help="registry port (default 8100)")
+    p.add_argument("--replica-port", type=int, default=8200, help="first replica port (default 8200)")
+    p.set_defaults(func=_up)
+
+    p = sub.add_parser("demo", help="start a farm, send one streamed chat through the router, stop")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--state-dir", default=None, help="reuse a state dir (default: a temporary one)")
+    p.add_argument("--prompt", default="Hello! What can you do for me?")
+    p.set_defaults(func=_demo)

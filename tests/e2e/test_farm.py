@@ -1,0 +1,62 @@
+"""The farm as a newcomer meets it: farm.json, the demo, the OpenAI client through the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+from openai import OpenAI
+
+from tests.e2e.conftest import farm_json
+
+
+def test_farm_json_contract(farm):
+    info = farm_json(farm)
+    assert set(info) >= {"router_url", "registry_url", "admin_token", "tenants", "replicas", "base_models"}
+    t = info["tenants"][0]
+    assert set(t) >= {"tenant_id", "api_key", "aliases"}
+    assert all(set(r) >= {"replica_id", "url", "pid"} for r in info["replicas"])
+    assert os.stat(farm["_farm"].farm_json).st_mode & 0o077 == 0  # holds secrets
+
+
+def test_openai_client_stream_and_usage(farm, tenant, adapter_markers):
+    client = OpenAI(base_url=farm["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0)
+    alias = sorted(tenant["aliases"])[0]
+    chunks = list(
+        client.chat.completions.create(
+            model=alias,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == adapter_markers[tenant["aliases"][alias]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    models = {m.id for m in client.models.list()}
+    assert set(tenant["aliases"]) <= models and "lorafarm-dev-tiny" in models
+
+
+def test_second_up_on_same_state_dir_reuses_everything(farm):
+    """Re-seeding an existing farm keeps the tenant's key and adapter ids (idempotent upload)."""
+    f = farm["_farm"]
+    again = f.seed()
+    assert again["tenants"][0]["api_key"] == farm["tenants"][0]["api_key"]
+    assert again["tenants"][0]["aliases"] == farm["tenants"][0]["aliases"]
+
+
+def test_lorafarm_demo_command():
+    """The README's smoke test: start a farm, one streamed chat through the openai client, stop."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorafarm", "demo", "--replicas", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "<<c0000>>" in proc.stdout
