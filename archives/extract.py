@@ -1,0 +1,87 @@
+"""Extract a verified `.lar` into a folder, safely.
+
+The archive is fully verified (signature, checksums, content) before anything is written. Then
+each allowed member's bytes are copied, through tarfile.extractfile, into a temp file inside
+`dest_dir` whose name we choose (never a path from the tar), re-hashed on the way (the archive
+file could change after verification), fsynced, and only when all four are complete renamed to
+`dest_dir/<member name>`. On any failure the temp files are removed, and `dest_dir` too if this
+call created it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+from archives.digest import bytes_sha256, copy_and_hash
+from archives.errors import ArchiveError, ChecksumError, CorruptArchiveError
+from archives.fsutil import fsync_dir
+from archives.manifest import MANIFEST_NAME, MEMBER_NAMES, PAYLOAD_NAMES, SIGNATURE_NAME, Manifest
+from archives.reader import open_archive
+from archives.verify import TrustedKeys, verify_open_archive
+
+
+def extract_archive(
+    path: str | os.PathLike,
+    dest_dir: str | os.PathLike,
+    trusted_keys: TrustedKeys,
+    *,
+    base_model_hash: str | None = None,
+    max_rank: int | None = None,
+    base_config: dict | None = None,
+    progress: bool = False,
+) -> Manifest:
+    """Verify the archive at `path` (as verify_archive), then write its four files into
+    `dest_dir` (created if missing; other files there are left alone). Returns the manifest.
+
+    Raises an ArchiveError subclass; on failure nothing of this call remains in `dest_dir`.
+    """
+    dest = Path(dest_dir)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ArchiveError(f"extraction target {dest} exists and is not a folder")
+    with open_archive(path) as reader:
+        verified = verify_open_archive(
+            reader, trusted_keys, base_model_hash=base_model_hash, max_rank=max_rank,
+            base_config=base_config, progress=progress,
+        )  # fmt: skip
+        manifest = verified.manifest
+        expected = {
+            MANIFEST_NAME: bytes_sha256(verified.manifest_bytes),
+            SIGNATURE_NAME: bytes_sha256(verified.signature),
+            **{name: manifest.files[name].sha256 for name in PAYLOAD_NAMES},
+        }
+        created = not dest.exists()
+        temps: dict[str, str] = {}
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in MEMBER_NAMES:
+                fd, temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
+                with os.fdopen(fd, "wb") as out:
+                    try:
+                        with reader.open_member(name) as src:
+                            digest = copy_and_hash(
+                                src, out, reader.size(name), desc=f"extract {name}", progress=progress
+                            )
+                    except (EOFError, tarfile.TarError):  # the file shrank after verification
+                        raise CorruptArchiveError(f"member {name!r} is truncated") from None
+                    if digest != expected[name]:
+                        raise ChecksumError(
+                            f"{name} changed while being extracted (archive modified after verification)"
+                        )
+                    out.flush()
+                    os.fsync(out.fileno())
+            for name in MEMBER_NAMES:
+                os.replace(temps.pop(name), dest / name)
+            fsync_dir(dest)
+        except BaseException as e:
+            for tmp in temps.values():
+                Path(tmp).unlink(missing_ok=True)
+            if created:
+                shutil.rmtree(dest, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise ArchiveError(f"cannot extract into {dest}: {e.strerror or e}") from None
+            raise
+    return manifest

@@ -1,0 +1,1 @@
+"""pytest-benchmark suites (`make bench`); not part of `make test`."""
