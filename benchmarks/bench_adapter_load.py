@@ -1,0 +1,218 @@
+"""Adapter load latency per tier through the replica's real cache code, at the seed's adapter size.
+
+The adapter has the seed's shapes: a 7B Llama (32 layers, hidden 4096, MLP 11008), rank 16 on all
+seven projections, bfloat16: 39,976,960 values, 80 MB. The "slot" is a real `handler.lora.ModelLoRA`
+stack of those shapes (one rank-16 slot) behind a minimal engine facade, so no 14 GB base is needed;
+`handler.cache.AdapterCache` runs exactly as in a replica:
+
+- ram -> slot: verified tensors in host RAM copied into the slot stack (`mount_adapter`);
+- disk -> slot: safetensors read from the verified, extracted folder, shape check, copy into the slot;
+- store -> slot: the signed `.lar` fetched from a file:// object store, signature + checksums + base
+  hash + rank verified, extracted, read, checked, copied into the slot.
+
+Each is paired with its floor on the same bytes: a plain memcpy (tensor copy) of 80 MB, a plain read
+of the safetensors file, a plain copy of the archive file. The disk and store numbers run with the
+page cache warm (the file was just written), so they show our overhead over the read, not the disk.
+
+    .venv/bin/python -m pytest benchmarks/bench_adapter_load.py --benchmark-only --benchmark-enable
+
+Figures are also written to `benchmarks/results/<device>-adapter_load.json` (via `bench_report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from handler.cache import AdapterCache, CatalogSource, module_shapes
+from handler.lora import ModelLoRA
+from handler.model import ModelConfig
+
+RANK = 16
+ALPHA = 32
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BASE_CONFIG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128}
+BASE_HASH = "sha256:" + "7b" * 32  # stands in for base_model_hash() of the 14 GB checkpoint
+ROUNDS = 5
+VALUES = 39_976_960
+
+
+class StackEngine:
+    """The engine's adapter-slot API (docs/contracts.md) over a bare ModelLoRA of 7B shapes."""
+
+    def __init__(self, pools: dict[int, int], dtype: torch.dtype = torch.bfloat16):
+        cfg = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                          num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
+                          max_position_embeddings=4096)
+        self.lora = ModelLoRA(cfg, pools, dtype, torch.device("cpu"))
+        self._free = {r: list(reversed(self.lora.slots_of_pool(i))) for i, (r, _) in enumerate(self.lora.pools)}
+        self._mounted: dict[str, tuple[int, int]] = {}
+
+    def pool_rank_for(self, rank: int) -> int:
+        return self.lora.pool_rank_for(rank)
+
+    def free_slots(self, rank: int) -> int:
+        return len(self._free[self.pool_rank_for(rank)])
+
+    def mount_adapter(self, adapter_id, weights, *, rank, alpha, target_modules=None):
+        pool = self.pool_rank_for(rank)
+        slot = self._free[pool].pop()
+        self.lora.set_adapter(slot, weights, rank, alpha, target_modules)
+        self._mounted[adapter_id] = (slot, pool)
+        return slot
+
+    def unmount_adapter(self, adapter_id):
+        slot, pool = self._mounted.pop(adapter_id)
+        self.lora.reset_adapter(slot)
+        self._free[pool].append(slot)
+
+    def mounted_adapters(self):
+        return list(self._mounted)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """An 80 MB signed archive in a file:// store, and a cache with one rank-16 slot."""
+    from archives.build import build_archive
+    from archives.keys import generate_keypair, load_public_keys
+    from archives.store import open_store
+
+    root = tmp_path_factory.mktemp("bench-load")
+    peft = root / "peft"
+    peft.mkdir()
+    shapes = module_shapes(BASE_CONFIG)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(32):
+        for m in MODULES:
+            block = "self_attn" if m in MODULES[:4] else "mlp"
+            k, d = shapes[m]
+            p = f"base_model.model.model.layers.{layer}.{block}.{m}"
+            tensors[f"{p}.lora_A.weight"] = (torch.randn(RANK, k, generator=g) * 0.01).to(torch.bfloat16)
+            tensors[f"{p}.lora_B.weight"] = (torch.randn(d, RANK, generator=g) * 0.01).to(torch.bfloat16)
+    assert sum(t.numel() for t in tensors.values()) == VALUES
+    save_file(tensors, str(peft / "adapter_model.safetensors"))
+    (peft / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": MODULES, "bias": "none",
+        "task_type": "CAUSAL_LM", "lora_dropout": 0.0, "fan_in_fan_out": False}))
+    priv, pub = generate_keypair(root / "keys")
+    store_dir = root / "store"
+    store_dir.mkdir()
+    lar = root / "adapter.lar"
+    man = build_archive(peft, lar, private_key=priv, tenant_id="bench", base_model_hash=BASE_HASH,
+                        base_config=BASE_CONFIG)
+    aid = man.adapter_id
+    key = f"adapters/bench/{aid}.lar"
+    loop = asyncio.new_event_loop()
+    store = open_store(f"file://{store_dir}")
+    loop.run_until_complete(store.put_file(key, lar))
+    engine = StackEngine({RANK: 1})
+    cache = AdapterCache(engine, base_config=BASE_CONFIG, base_model_hash=BASE_HASH,
+                         trusted_keys=load_public_keys([str(pub)]),
+                         source=CatalogSource({aid: store.uri_for(key)}, store), disk_dir=root / "disk",
+                         ram_bytes=1 << 30, disk_bytes=1 << 31, rank_limit=64, dtype=torch.bfloat16)
+    loop.run_until_complete(cache.start())
+    yield {"loop": loop, "cache": cache, "aid": aid, "tensors": tensors, "root": root,
+           "weights_file": peft / "adapter_model.safetensors", "lar": store_dir / key}
+    loop.run_until_complete(cache.close())
+    loop.close()
+
+
+def _to_tier(s, tier: str) -> None:
+    """Put the adapter in exactly `tier` (idle, not in a slot) before a timed load."""
+    loop, cache, aid = s["loop"], s["cache"], s["aid"]
+
+    async def go():
+        if tier == "ram":
+            if cache.tier_of(aid) != "gpu":
+                await cache.load(aid)
+            await cache._evict_slot(aid)  # out of the slot, still in RAM
+        else:
+            await cache.unload(aid, purge_disk=(tier == "remote"))
+            if tier == "disk":
+                await cache.prefetch(aid, to_ram=False)
+        assert cache.tier_of(aid) == tier, cache.tier_of(aid)
+
+    loop.run_until_complete(go())
+
+
+def _acquire(s, tier: str) -> None:
+    loop, cache, aid = s["loop"], s["cache"], s["aid"]
+
+    async def go():
+        assert await cache.acquire(aid) == tier
+        cache.release(aid)  # on the loop, as the replica does
+
+    loop.run_until_complete(go())
+
+
+@pytest.fixture
+def load_report(request):
+    """benchmarks/conftest.py's report when loaded (make bench), else None (e.g. --noconftest)."""
+    try:
+        return request.getfixturevalue("bench_report")
+    except pytest.FixtureLookupError:
+        return None
+
+
+def _report(report, benchmark, name: str, nbytes: int) -> None:
+    if report is None:
+        return
+    from benchmarks.conftest import stats_of
+
+    report.add("adapter_load", name, bytes=nbytes, **stats_of(benchmark))
+
+
+def _bench_tier(benchmark, load_report, setup, tier):
+    benchmark.extra_info.update({"tier": tier, "bytes": VALUES * 2})
+    benchmark.pedantic(_acquire, args=(setup, tier), setup=lambda: _to_tier(setup, tier), rounds=ROUNDS,
+                       iterations=1, warmup_rounds=1)
+    _report(load_report, benchmark, f"{tier}->slot", VALUES * 2)
+
+
+def test_ram_to_slot(benchmark, load_report, setup):
+    _bench_tier(benchmark, load_report, setup, "ram")
+
+
+def test_memcpy_80mb(benchmark, load_report, setup):
+    src = torch.randn(VALUES).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    benchmark.extra_info.update({"tier": "memcpy floor", "bytes": VALUES * 2})
+    benchmark.pedantic(dst.copy_, args=(src,), rounds=ROUNDS * 2, iterations=1, warmup_rounds=1)
+    _report(load_report, benchmark, "memcpy", VALUES * 2)
+
+
+def test_disk_to_slot(benchmark, load_report, setup):
+    _bench_tier(benchmark, load_report, setup, "disk")
+
+
+def test_file_read_80mb(benchmark, load_report, setup):
+    path: Path = setup["weights_file"]
+    buf = bytearray(path.stat().st_size)
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+
+    benchmark.extra_info.update({"tier": "file read floor", "bytes": len(buf)})
+    benchmark.pedantic(read, rounds=ROUNDS * 2, iterations=1, warmup_rounds=1)
+    _report(load_report, benchmark, "file read", len(buf))
+
+
+def test_store_to_slot(benchmark, load_report, setup):
+    _bench_tier(benchmark, load_report, setup, "remote")
+
+
+def test_file_copy_archive(benchmark, load_report, setup):
+    src: Path = setup["lar"]
+    dst = setup["root"] / "copy.lar"
+    benchmark.extra_info.update({"tier": "archive copy floor", "bytes": src.stat().st_size})
+    benchmark.pedantic(shutil.copyfile, args=(src, dst), rounds=ROUNDS * 2, iterations=1, warmup_rounds=1)
+    _report(load_report, benchmark, "archive copy", src.stat().st_size)

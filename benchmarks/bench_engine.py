@@ -1,0 +1,211 @@
+"""Engine throughput on the small dev model (hidden 384, 6 layers, MLP 1024), batch 32.
+
+* decode: 32 running requests, tokens/s of the decode steps only, with no adapters, 1 adapter for
+  all rows, 8 and 32 distinct adapters (rank 16 on all seven projections, random weights);
+* end to end, the same workload as a user would run it with transformers + PEFT: 32 prompts of 64
+  tokens, 64 new tokens each (greedy, EOS ignored), prefill included; ours vs `generate` on a
+  PeftModel holding the same 32 adapters with a mixed batch (`adapter_names`), and both without
+  adapters.
+
+Variants of one test run interleaved (one round = every variant once, shuffled order), so ratios
+are per round and machine drift hits every variant alike.
+
+    make bench PYTEST_ARGS='-k engine'
+    # or: .venv/bin/python -m pytest benchmarks/bench_engine.py --benchmark-only --benchmark-enable
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from handler.engine import Engine, SamplingParams
+
+SUITE = "engine"
+BATCH, PROMPT, NEW, RANK, ALPHA = 32, 64, 64, 16, 32
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("LORAFARM_CACHE_DIR", REPO / ".cache" / "lorafarm"))
+
+
+def _small_model() -> Path:
+    from lorafarm.dev.model import write_dev_model
+
+    path = CACHE / "devmodel-small-s0"
+    stamp = path / "lorafarm_devmodel.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == {"size": "small", "seed": 0}):
+        write_dev_model(path, size="small", seed=0, force=True)
+    return path
+
+
+def _adapters(model_dir: Path, count: int) -> list[dict[str, torch.Tensor]]:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    shapes = {"q_proj": (cfg.num_attention_heads * hd, h), "k_proj": (cfg.num_key_value_heads * hd, h),
+              "v_proj": (cfg.num_key_value_heads * hd, h), "o_proj": (h, cfg.num_attention_heads * hd),
+              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        w = {}
+        for layer in range(n):
+            for m in MODULES:
+                d, k = shapes[m]
+                p = f"base_model.model.model.layers.{layer}.{'self_attn' if m in MODULES[:4] else 'mlp'}.{m}"
+                w[p + ".lora_A.weight"] = torch.randn(RANK, k, generator=g) / k**0.5
+                w[p + ".lora_B.weight"] = torch.randn(d, RANK, generator=g) * 0.02
+        out.append(w)
+    return out
+
+
+class Setup:
+    def __init__(self, device: str):
+        self.device = device
+        self.model_dir = _small_model()
+        self.adapters = _adapters(self.model_dir, BATCH)
+        g = torch.Generator().manual_seed(1)
+        self.prompts = torch.randint(3, 450, (BATCH, PROMPT), generator=g)
+        self.engine = Engine(self.model_dir, device=device, dtype=torch.float32, kv_cache_bytes=64 << 20,
+                             max_batch=BATCH, rank_pools={RANK: BATCH}, max_prefill_tokens=BATCH * PROMPT)
+        for j, w in enumerate(self.adapters):
+            self.engine.mount_adapter(f"a{j}", w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
+        self._peft = None
+        self._rid = 0
+
+    def adapter_of_row(self, distinct: int | None) -> list[str | None]:
+        return [None if distinct is None else f"a{i % distinct}" for i in range(BATCH)]
+
+    def submit(self, distinct: int | None) -> None:
+        params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        for row, ad in enumerate(self.adapter_of_row(distinct)):
+            self._rid += 1
+            self.engine.add_request(f"r{self._rid}", self.prompts[row].tolist(), params, ad, lambda ev: None)
+
+    def drain(self) -> None:
+        while self.engine.step():
+            pass
+
+    def peft(self):
+        if self._peft is None:
+            from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+            from transformers import AutoModelForCausalLM
+
+            base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
+            cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=MODULES, lora_dropout=0.0)
+            model = get_peft_model(base, cfg, adapter_name="a0")
+            for j in range(1, BATCH):
+                model.add_adapter(f"a{j}", cfg)
+            for j, w in enumerate(self.adapters):
+                set_peft_model_state_dict(model, {k: v.to(self.device) for k, v in w.items()}, adapter_name=f"a{j}")
+            self._peft = model.eval()
+        return self._peft
+
+    def peft_generate(self, distinct: int | None) -> torch.Tensor:
+        model = self.peft()
+        ids = self.prompts.to(self.device)
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                  do_sample=False, pad_token_id=self.engine.tokenizer.pad_token_id)
+        with torch.inference_mode():
+            if distinct is None:
+                with model.disable_adapter():
+                    return model.generate(**kw)
+            return model.generate(**kw, adapter_names=[f"a{i % distinct}" for i in range(BATCH)])
+
+
+@pytest.fixture(scope="module")
+def setup(bench_report):
+    return Setup(bench_report.device)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _interleave(benchmark, variants: dict, rounds: int, device: str) -> dict[str, list[float]]:
+    """variants: name -> (prepare, timed); every round runs each variant once in shuffled order."""
+    names = list(variants)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    rng = random.Random(0)
+
+    def one_round(record=True):
+        rng.shuffle(names)
+        for n in names:
+            prepare, timed = variants[n]
+            prepare()
+            _sync(device)
+            t0 = time.perf_counter()
+            timed()
+            _sync(device)
+            if record:
+                samples[n].append(time.perf_counter() - t0)
+
+    one_round(record=False)  # warm-up
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=0)
+    return samples
+
+
+def _notes(bench_report, setup):
+    cfg = setup.engine.config
+    bench_report.note(SUITE, "model", f"small dev model (hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
+                                      f"MLP {cfg.intermediate_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} kv), fp32")
+    bench_report.note(SUITE, "batch", f"{BATCH} requests, prompts of {PROMPT} tokens, {NEW} new tokens each, greedy")
+    bench_report.note(SUITE, "adapters", f"rank {RANK} on all 7 projections; row i uses adapter i mod N")
+
+
+def test_engine_decode(benchmark, bench_report, setup):
+    """Decode tokens/s for 32 running rows: no adapters vs 1, 8, 32 distinct adapters."""
+    variants = {}
+    for label, distinct in (("none", None), ("1", 1), ("8", 8), ("32", 32)):
+        def prepare(distinct=distinct):
+            setup.submit(distinct)
+            setup.engine.step()  # the prefill step: every row gets its first token (untimed)
+
+        variants[f"decode/{label}"] = (prepare, setup.drain)
+    benchmark.group = "engine decode (one round = every variant once)"
+    samples = _interleave(benchmark, variants, rounds=10 if setup.device == "cuda" else 5, device=setup.device)
+    tokens = BATCH * (NEW - 1)
+    for name, xs in samples.items():
+        med = statistics.median(xs)
+        bench_report.add(SUITE, name, tokens_per_s=tokens / med, median_s=med, rounds=len(xs),
+                         samples=[tokens / x for x in xs])
+    _notes(bench_report, setup)
+
+
+def test_engine_vs_transformers_peft(benchmark, bench_report, setup):
+    """End-to-end tokens/s, prefill included: ours vs transformers generate (+ PEFT mixed batch)."""
+    # same greedy tokens on a row as PEFT (sanity: we benchmark the same computation)
+    setup.submit(32)
+    got = {}
+    for rid, req in list(setup.engine._requests.items()):  # noqa: SLF001 - benchmark-only peek
+        got[rid] = req
+    setup.drain()
+    ref = setup.peft_generate(32)[:, PROMPT:]
+    first = [got[k] for k in sorted(got, key=lambda s: int(s[1:]))]
+    assert first[0].out[:8] == ref[0, :8].tolist()
+    assert first[5].out[:8] == ref[5, :8].tolist()
+
+    variants = {
+        "e2e/ours-none": (lambda: setup.submit(None), setup.drain),
+        "e2e/ours-32": (lambda: setup.submit(32), setup.drain),
+        "e2e/hf-none": (lambda: None, lambda: setup.peft_generate(None)),
+        "e2e/peft-32": (lambda: None, lambda: setup.peft_generate(32)),
+    }
+    benchmark.group = "engine end-to-end (one round = every variant once)"
+    samples = _interleave(benchmark, variants, rounds=5 if setup.device == "cuda" else 3, device=setup.device)
+    tokens = BATCH * NEW
+    for name, xs in samples.items():
+        med = statistics.median(xs)
+        bench_report.add(SUITE, name, tokens_per_s=tokens / med, median_s=med, rounds=len(xs),
+                         samples=[tokens / x for x in xs])
+    _notes(bench_report, setup)

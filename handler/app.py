@@ -1,0 +1,554 @@
+"""The replica's HTTP service (Litestar on uvicorn): OpenAI-compatible completions over the
+`LoraHandler`, the internal load/unload/state API the router and registry use, health and metrics.
+
+    app = create_app(ReplicaConfig(replica_id="r0", base_dir=Path("models/dev")))
+
+Start-up (lifespan): load the base and hash it, start the engine thread, open the adapter source
+(registry + object store in production; a local catalog or nothing in standalone mode), join the
+registry and heartbeat when one is configured, then pull the adapters this replica owns to disk and
+RAM and pre-warm the first of them into device slots, in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+from handler import openai_schemas as oai
+from handler.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
+from handler.handler import Generation, HandlerContext, Limits, LoraHandler, load_error_to_openai
+from handler.metrics import CONTENT_TYPE, ReplicaMetrics
+
+log = logging.getLogger("lorafarm.replica")
+
+PUBLIC_PATHS = ("/health", "/metrics")
+
+
+@dataclass
+class ReplicaConfig:
+    """Everything `lorafarm replica` configures (see `handler.cli`)."""
+
+    base_dir: Path
+    replica_id: str = "r0"
+    model_name: str | None = None  # default: the base folder's name
+    host: str = "127.0.0.1"
+    port: int = 8200
+    advertise_url: str | None = None  # what the registry hands the router; default http://host:port
+    registry_url: str | None = None  # None: standalone
+    admin_token: str | None = None
+    store_url: str | None = None
+    s3_endpoint_url: str | None = None
+    trust: list[Path] = field(default_factory=list)
+    adapter_catalog: Path | None = None  # standalone: JSON {adapter_id: weights_uri} into the store
+    slots: int = 8
+    rank_pools: dict[int, int] | None = None
+    ram_bytes: int = 4 * 1024**3
+    disk_bytes: int = 32 * 1024**3
+    disk_dir: Path | None = None  # default var/replicas/<id>
+    kv_cache_bytes: int | None = None
+    device: str | None = None
+    dtype: str = "float32"
+    merged_adapter: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    heartbeat_s: float = 1.0
+    placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
+    prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
+    pull_owned: bool = True
+
+    def resolved_model_name(self) -> str:
+        return self.model_name or Path(self.base_dir).resolve().name
+
+    def resolved_disk_dir(self) -> Path:
+        return Path(self.disk_dir) if self.disk_dir else Path("var") / "replicas" / self.replica_id
+
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+# ------------------------------------------------------------------------------ errors and auth
+
+
+def _json_response(status: int, body: dict, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=body, status_code=status, media_type=MediaType.JSON, headers=headers or {})
+
+
+def _openai_error_handler(_: Request, exc: oai.OpenAIError) -> Response:
+    return _json_response(exc.status, exc.body(), exc.headers)
+
+
+_HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
+               429: "rate_limited"}
+
+
+def _http_error_handler(_: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    msg = exc.detail or "error"
+    if status == 413:
+        msg = "The request body is too large."
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return _json_response(status, oai.error_body(str(msg), type=kind, code=_HTTP_CODES.get(status)),
+                          dict(exc.headers or {}))
+
+
+def _server_error_handler(_: Request, exc: Exception) -> Response:
+    log.exception("unhandled error: %s", exc)
+    return _json_response(500, oai.error_body(f"internal error: {exc.__class__.__name__}", type="server_error",
+                                              code="internal_error"))
+
+
+class AdminAuthMiddleware:
+    """Bearer admin token on every path but /health and /metrics (when a token is configured)."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = b""
+        for k, v in scope.get("headers") or ():
+            if k == b"authorization":
+                auth = v
+                break
+        scheme, _, given = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+            body = json.dumps(oai.error_body("Missing or invalid admin bearer token.",
+                                             code="invalid_admin_token")).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"www-authenticate", b"Bearer"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------ the service
+
+
+class ReplicaService:
+    """What the lifespan builds and the routes use (kept on `app.state.replica`)."""
+
+    def __init__(self, config: ReplicaConfig):
+        self.config = config
+        self.handler = LoraHandler()
+        self.metrics = ReplicaMetrics(config.replica_id, config.resolved_model_name())
+        self.registry = None
+        self.store = None
+        self.ready = False
+        self.joined = False
+        self.tasks: list[asyncio.Task] = []
+        self.pull_done = asyncio.Event()
+        self.started_at = time.time()
+
+    # -- start / stop -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        trusted = []
+        if cfg.trust:
+            from archives.keys import load_public_keys
+
+            trusted = load_public_keys([str(p) for p in cfg.trust])
+        if cfg.store_url:
+            from archives.store import open_store
+
+            self.store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+        if cfg.registry_url:
+            from lorafarm.registry_client import RegistryClient
+
+            self.registry = RegistryClient(cfg.registry_url, cfg.admin_token)
+            source = RegistrySource(self.registry, self.store)
+        elif cfg.adapter_catalog:
+            if self.store is None:
+                raise RuntimeError("--adapter-catalog needs --store-url (the catalog's URIs point into it)")
+            source = CatalogSource.load(cfg.adapter_catalog, self.store)
+        else:
+            source = NoSource()
+        dtype = getattr(torch, cfg.dtype)
+        ctx = HandlerContext(
+            model_dir=Path(cfg.base_dir), model_name=cfg.resolved_model_name(), replica_id=cfg.replica_id,
+            device=cfg.device, dtype=dtype, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots,
+            rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
+            ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, trusted_keys=trusted, source=source,
+            merged_adapter=cfg.merged_adapter)
+        if cfg.merged_adapter:
+            ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
+        await asyncio.to_thread(self.handler.initialize, ctx)
+        await self.handler.start()
+        self.ready = True
+        if self.registry is not None:
+            self.tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
+        else:
+            self.pull_done.set()
+
+    async def _fetch_merged(self, ctx: HandlerContext, source, trusted) -> Path:
+        """Merged mode: fetch and verify the adapter before the engine is built."""
+        from archives.basehash import base_model_hash
+        from archives.extract import extract_archive
+
+        aid = ctx.merged_adapter
+        base_hash = await asyncio.to_thread(base_model_hash, ctx.model_dir)
+        dest = ctx.disk_dir / "merged" / aid
+        lar = ctx.disk_dir / "merged" / f"{aid}.lar"
+        lar.parent.mkdir(parents=True, exist_ok=True)
+        if not await source.exists(aid):
+            raise RuntimeError(f"merged adapter {aid} is not known to the registry/catalog")
+        await source.fetch(aid, lar)
+        import shutil
+
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        await asyncio.to_thread(extract_archive, lar, dest, trusted, base_model_hash=base_hash,
+                                max_rank=ctx.limits.rank_limit)
+        lar.unlink(missing_ok=True)
+        return dest
+
+    async def stop(self) -> None:
+        self.ready = False
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if self.handler.initialized:
+            await self.handler.shutdown()
+        elif self.store is not None:
+            await self.store.close()
+        if self.registry is not None:
+            with contextlib.suppress(Exception):
+                await self.registry.aclose()
+
+    # -- registry ---------------------------------------------------------------------------
+
+    async def _join(self) -> None:
+        await self.registry.join_replica(self.config.replica_id, self.config.url(), self.handler.base_model_hash,
+                                         list(self.handler.models))
+        self.joined = True
+        log.info("joined the registry at %s as %s", self.config.registry_url, self.config.replica_id)
+
+    async def _registry_loop(self) -> None:
+        from lorafarm.registry_client import RegistryError
+
+        pull: asyncio.Task | None = None
+        last_pull = 0.0
+        backoff = self.config.heartbeat_s
+        while True:
+            try:
+                if not self.joined:
+                    await self._join()
+                else:
+                    await self.registry.heartbeat(self.config.replica_id, self.handler.state())
+                backoff = self.config.heartbeat_s
+                now = time.monotonic()
+                if (pull is None or pull.done()) and (last_pull == 0.0 or now - last_pull >= self.config.placements_refresh_s):
+                    last_pull = now
+                    pull = asyncio.create_task(self._pull_owned(first=pull is None), name="pull-owned")
+                    self.tasks = [t for t in self.tasks if not t.done()] + [pull]
+            except RegistryError as e:
+                if e.status == 404:
+                    self.joined = False  # the registry forgot us (restart): join again
+                log.warning("registry: %s", e)
+                backoff = min(backoff * 2, 15.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("registry loop: %s", e)
+                backoff = min(backoff * 2, 15.0)
+            await asyncio.sleep(backoff)
+
+    async def _pull_owned(self, first: bool = True) -> None:
+        """Pull owned adapters to disk and RAM; on the first pull, pre-warm the first ones into device
+        slots. Later pulls (placements change as replicas come and go) fetch only what is missing."""
+        try:
+            if not self.config.pull_owned or self.config.merged_adapter:
+                return
+            placed = await self.registry.placements_for_replica(self.config.replica_id)
+            cache = self.handler.cache
+            owned = list((placed or {}).get("adapters") or [])
+            if not first:
+                owned = [a for a in owned if not cache.is_local(a)]
+            n_warm = self.config.prewarm if self.config.prewarm is not None else self.config.slots
+            n_warm = n_warm if first else 0
+            sem = asyncio.Semaphore(2)
+
+            async def pull(aid: str, warm: bool):
+                async with sem:
+                    try:
+                        if warm:
+                            await cache.load(aid)
+                        else:
+                            await cache.prefetch(aid, to_ram=True)
+                    except (AdapterLoadError, AdapterNotFoundError) as e:
+                        log.warning("owned adapter %s not pulled: %s", aid, e)
+
+            await asyncio.gather(*(pull(aid, i < n_warm) for i, aid in enumerate(owned)))
+            if owned:
+                log.info("pulled %d owned adapters (%d pre-warmed)", len(owned), min(n_warm, len(owned)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("pulling owned adapters failed: %s", e)
+        finally:
+            self.pull_done.set()
+
+    def check_replica(self, replica_id: str) -> None:
+        if replica_id != self.config.replica_id:
+            raise oai.OpenAIError(404, f"this is replica {self.config.replica_id}, not {replica_id}",
+                                  code="replica_not_found")
+
+
+def _service(request: Request) -> ReplicaService:
+    svc: ReplicaService = request.app.state.replica
+    if not svc.ready:
+        raise oai.OpenAIError(503, "The replica is starting.", type="server_error", code="not_ready",
+                              headers={"Retry-After": "1"})
+    return svc
+
+
+# ------------------------------------------------------------------------------ completions
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (answered 499; nobody reads it)."""
+
+
+def _disconnected_handler(_: Request, exc: ClientDisconnected) -> Response:
+    return Response(content=b"", status_code=499)
+
+
+async def _or_disconnect(request: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if isinstance(result, Generation):  # it finished just as the client left
+                result.abandon()
+        raise ClientDisconnected()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _complete(request: Request, kind: str) -> Response | Stream:
+    svc = _service(request)
+    h = svc.handler
+    raw = await request.body()
+    greq = await h.preprocess(kind, raw)
+    h.check_capacity()
+    headers = {"x-adapter-id": greq.adapter_id or greq.model, "x-adapter-tier": greq.tier,
+               "x-request-id": greq.request_id}
+    gen: Generation = await _or_disconnect(request, h.inference(greq))
+    if not greq.stream:
+        try:
+            body = await _or_disconnect(request, h.postprocess(greq, gen))
+        finally:
+            gen.abandon()
+        return _json_response(200, body, headers)
+    return Stream(_sse(greq, gen), media_type="text/event-stream",
+                  headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _sse(greq, gen: Generation) -> AsyncIterator[bytes]:
+    rid, model, created = greq.response_id, greq.model, greq.created
+    chat = greq.kind == "chat"
+    try:
+        if chat:
+            yield oai.sse(oai.chat_chunk(rid, model, created, content="", role=True))
+        async for d in gen:
+            if d.text:
+                yield oai.sse(oai.chat_chunk(rid, model, created, content=d.text) if chat
+                              else oai.completion_chunk(rid, model, created, text=d.text))
+            if d.finish_reason:
+                yield oai.sse(oai.chat_chunk(rid, model, created, finish_reason=d.finish_reason) if chat
+                              else oai.completion_chunk(rid, model, created, finish_reason=d.finish_reason))
+        if greq.include_usage:
+            yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens))
+        yield oai.SSE_DONE
+    except oai.OpenAIError as e:
+        yield oai.sse_error(e)
+        yield oai.SSE_DONE
+    finally:
+        gen.abandon()  # no-op when it finished; cancels the engine request when the client left
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response | Stream:
+    return await _complete(request, "chat")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response | Stream:
+    return await _complete(request, "completion")
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> dict:
+    svc = _service(request)
+    h = svc.handler
+    created = int(svc.started_at)
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "lorafarm", "root": m, "parent": None}
+            for m in h.models]
+    base = h.models[0] if h.models else None
+    if not svc.config.merged_adapter:
+        local = dict.fromkeys(h.cache.gpu_adapters() + h.cache.ram_adapters() + h.cache.disk_adapters())
+        data += [{"id": a, "object": "model", "created": created, "owned_by": "lorafarm", "root": a,
+                  "parent": base} for a in local]
+    return {"object": "list", "data": data}
+
+
+# ------------------------------------------------------------------------------ internal API
+
+
+@post("/internal/replicas/{replica_id:str}/adapters/{adapter_id:str}/load", status_code=200)
+async def load_adapter(request: Request, replica_id: str, adapter_id: str) -> Response:
+    """Pre-warm into a device slot: 200 once mounted; 202 when it is still waiting (every slot of its
+    pool busy with running requests) after the load timeout: the load goes on in the background."""
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    if svc.config.merged_adapter:
+        raise oai.OpenAIError(409, "a merged-mode replica serves only its merged adapter", code="merged_mode")
+    cache = svc.handler.cache
+    t0 = time.perf_counter()
+    previous = cache.tier_of(adapter_id)
+    try:
+        if not await cache.exists(adapter_id):
+            raise oai.model_not_found(adapter_id)
+        task = asyncio.ensure_future(cache.load(adapter_id))
+        done, _ = await asyncio.wait({task}, timeout=svc.config.limits.load_timeout_s)
+        if not done:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return _json_response(202, {"adapter_id": adapter_id, "replica_id": replica_id, "previous_tier": previous,
+                                        "tier": cache.tier_of(adapter_id), "pending": True})
+        task.result()
+    except AdapterNotFoundError:
+        raise oai.model_not_found(adapter_id) from None
+    except AdapterLoadError as e:
+        raise load_error_to_openai(e) from None
+    return _json_response(200, {"adapter_id": adapter_id, "replica_id": replica_id, "previous_tier": previous,
+                                "tier": cache.tier_of(adapter_id), "pending": False,
+                                "load_ms": round((time.perf_counter() - t0) * 1000, 3)})
+
+
+@post("/internal/replicas/{replica_id:str}/adapters/{adapter_id:str}/unload", status_code=200)
+async def unload_adapter(request: Request, replica_id: str, adapter_id: str, purge: bool = False) -> dict:
+    """Drains the adapter's running requests first (new ones wait), then frees its slot and RAM
+    (and its disk copy with `?purge=true`)."""
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    try:
+        out = await svc.handler.cache.unload(adapter_id, purge_disk=purge)
+    except AdapterNotFoundError:
+        raise oai.model_not_found(adapter_id) from None
+    return {**out, "replica_id": replica_id, "tier": svc.handler.cache.tier_of(adapter_id)}
+
+
+@get("/internal/replicas/{replica_id:str}/state")
+async def replica_state(request: Request, replica_id: str) -> dict:
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    return svc.handler.state().model_dump(mode="json")
+
+
+@get("/internal/replicas/{replica_id:str}/cache")
+async def cache_stats(request: Request, replica_id: str) -> dict:
+    """Counters of the adapter cache (loads per tier, evictions, in-use evictions, waits)."""
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    return svc.handler.cache.stats()
+
+
+@get("/health")
+async def health(request: Request) -> Response:
+    svc: ReplicaService = request.app.state.replica
+    if not svc.ready:
+        return _json_response(503, {"status": "starting", "replica_id": svc.config.replica_id})
+    h = svc.handler
+    return _json_response(200, {"status": "ok", "replica_id": svc.config.replica_id,
+                                "base_model_hash": h.base_model_hash, "models": h.models,
+                                "registry": svc.config.registry_url, "joined": svc.joined})
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    svc: ReplicaService = request.app.state.replica
+    if svc.ready:
+        svc.handler.refresh_gauges()
+    return Response(content=svc.metrics.render(), media_type=CONTENT_TYPE, status_code=200)
+
+
+# ------------------------------------------------------------------------------ factory
+
+
+def create_app(config: ReplicaConfig) -> Litestar:
+    """The replica app. Its lifespan loads the model and starts everything; see the module doc."""
+    service = ReplicaService(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    middleware = []
+    if config.admin_token:
+        token = config.admin_token
+        middleware.append(lambda app: AdminAuthMiddleware(app, token))
+    app = Litestar(
+        route_handlers=[chat_completions, completions, list_models, load_adapter, unload_adapter, replica_state,
+                        cache_stats, health, metrics],
+        lifespan=[lifespan],
+        middleware=middleware,
+        exception_handlers={oai.OpenAIError: _openai_error_handler, HTTPException: _http_error_handler,
+                            ClientDisconnected: _disconnected_handler, Exception: _server_error_handler},
+        request_max_body_size=config.limits.max_body_bytes,
+        openapi_config=None,
+        debug=False,
+    )
+    app.state.replica = service
+    return app
+
+
+def run(config: ReplicaConfig, log_level: str = "info") -> None:
+    """Serve with uvicorn until SIGINT/SIGTERM."""
+    import uvicorn
+
+    logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level,
+                timeout_graceful_shutdown=10)

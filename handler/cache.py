@@ -1,0 +1,941 @@
+"""The tiered adapter cache of a replica: device slot <- host RAM <- local disk <- object store.
+
+Tiers
+- gpu: mounted in one of the engine's device slots (one slot pool per rank class). LRU among idle
+  adapters; an adapter with running requests (reference count > 0) is never evicted: a request that
+  needs a slot when every slot of its pool is busy waits for one to become idle.
+- ram: verified adapter tensors in host memory (`LoadedAdapter`), bounded in bytes, LRU.
+- disk: verified, extracted archive folders under `<disk_dir>/adapters/<adapter_id>/`, bounded in
+  bytes, LRU.
+- remote: the signed `.lar` in the object store (its `weights_uri` must lie inside the configured
+  store) or, without a store, the registry's archive download. An `AdapterSource` says where.
+
+Every archive is verified (Ed25519 signature, checksums, base_model_hash == the served base, rank <=
+the limit) by `archives.extract.extract_archive` before a byte of it is used, and the tensors are
+checked against the base model's module shapes before anything is mounted.
+
+Concurrency: everything here runs on the replica's event loop; file work (download, verify, extract,
+read) runs in a small thread pool and engine mounts in one dedicated thread, so loads run beside
+the decode loop. Loads are single-flight per adapter (concurrent requests for one cold adapter share
+one load) and a request waits only for its own adapter. A failed load fails the waiters of that
+adapter only, with an `AdapterLoadError` that says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shutil
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from handler.metrics import ReplicaMetrics
+
+log = logging.getLogger("lorafarm.replica.cache")
+
+SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+VERIFIED_STAMP = ".lorafarm-verified.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_KEY_RE = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+class AdapterNotFoundError(Exception):
+    """Neither a local tier nor the adapter source knows this adapter id."""
+
+    def __init__(self, adapter_id: str, message: str | None = None):
+        super().__init__(message or f"adapter {adapter_id} is not known to this replica's registry/catalog")
+        self.adapter_id = adapter_id
+
+
+class AdapterLoadError(Exception):
+    """A load failed. `code` names the reason for clients: bad_signature, checksum_mismatch,
+    base_mismatch, rank_limit, invalid_adapter, unsafe_archive, store_error, fetch_failed, ..."""
+
+    def __init__(self, adapter_id: str, code: str, message: str):
+        super().__init__(f"adapter {adapter_id} cannot be loaded ({code}): {message}")
+        self.adapter_id = adapter_id
+        self.code = code
+        self.reason = message
+
+
+def _error_code(e: BaseException) -> str:
+    from archives import errors as ae
+
+    try:
+        from handler.engine import InvalidAdapterError as EngineInvalidAdapter
+
+        if isinstance(e, EngineInvalidAdapter):
+            return "invalid_adapter"
+    except ImportError:  # pragma: no cover
+        pass
+
+    for cls, code in (
+        (ae.SignatureError, "bad_signature"),
+        (ae.ChecksumError, "checksum_mismatch"),
+        (ae.BaseMismatchError, "base_mismatch"),
+        (ae.RankLimitError, "rank_limit"),
+        (ae.UnsafeArchiveError, "unsafe_archive"),
+        (ae.CorruptArchiveError, "corrupt_archive"),
+        (ae.ObjectNotFoundError, "archive_not_found"),
+        (ae.StoreError, "store_error"),
+        (ae.InvalidAdapterError, "invalid_adapter"),
+        (ae.ArchiveError, "invalid_archive"),
+    ):
+        if isinstance(e, cls):
+            return code
+    return "load_failed"
+
+
+def check_adapter_id(adapter_id: str) -> str:
+    """Adapter ids become folder names: accept only a safe, short token (no path separators, no `..`)."""
+    if not SAFE_ID_RE.match(adapter_id) or ".." in adapter_id:
+        raise AdapterNotFoundError(adapter_id, f"invalid adapter id {adapter_id!r}")
+    return adapter_id
+
+
+# ---------------------------------------------------------------------------------- sources
+
+
+class AdapterSource(Protocol):
+    """Where cold adapters come from (the `remote` tier)."""
+
+    async def exists(self, adapter_id: str) -> bool: ...
+
+    async def fetch(self, adapter_id: str, dest: Path) -> None:
+        """Write the adapter's signed archive to `dest` (unverified: the cache verifies it)."""
+
+    async def close(self) -> None: ...
+
+
+class _StoreFetch:
+    """Fetch a `weights_uri` from the configured object store; a URI outside the store is refused."""
+
+    def __init__(self, store):
+        self.store = store
+
+    async def fetch_uri(self, adapter_id: str, uri: str, dest: Path) -> None:
+        from archives.errors import StoreError
+
+        key = self.store.key_for(uri)
+        if key is None:
+            raise StoreError(f"weights_uri {uri!r} of {adapter_id} lies outside the configured object store")
+        await self.store.get_file(key, dest)
+
+
+class RegistrySource(_StoreFetch):
+    """Production source: adapter metadata from the registry; bytes from the object store when one is
+    configured (weights_uri must be inside it), else the registry's archive download."""
+
+    POSITIVE_TTL_S = 60.0  # adapter ids are immutable: metadata may be cached
+    NEGATIVE_TTL_S = 2.0  # "unknown" is cached briefly, so junk model names don't hammer the registry
+
+    def __init__(self, client, store=None, *, owns_client: bool = False):
+        super().__init__(store)
+        self.client = client
+        self._owns_client = owns_client
+        self._uris: dict[str, str | None] = {}
+        self._known: dict[str, tuple[float, dict | None]] = {}  # adapter_id -> (expires, adapter or None)
+
+    async def _describe(self, adapter_id: str) -> dict | None:
+        from lorafarm.registry_client import RegistryError
+
+        hit = self._known.get(adapter_id)
+        now = time.monotonic()
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            ad = await self.client.get_adapter(adapter_id)
+        except RegistryError as e:
+            if e.status == 404:
+                self._remember(adapter_id, None, now + self.NEGATIVE_TTL_S)
+                return None
+            raise
+        self._uris[adapter_id] = ad.get("weights_uri")
+        self._remember(adapter_id, ad, now + self.POSITIVE_TTL_S)
+        return ad
+
+    def _remember(self, adapter_id: str, ad: dict | None, expires: float) -> None:
+        if len(self._known) > 50_000:  # bounded: drop the expired, then the oldest half
+            now = time.monotonic()
+            self._known = {k: v for k, v in self._known.items() if v[0] > now}
+            if len(self._known) > 25_000:
+                self._known = dict(list(self._known.items())[-25_000:])
+        self._known[adapter_id] = (expires, ad)
+
+    async def exists(self, adapter_id: str) -> bool:
+        ad = await self._describe(adapter_id)
+        return ad is not None and ad.get("status", "active") not in ("deleted", "disabled")
+
+    async def fetch(self, adapter_id: str, dest: Path) -> None:
+        if self.store is None:
+            await self.client.download_archive(adapter_id, dest)
+            return
+        uri = self._uris.get(adapter_id)
+        if uri is None:
+            ad = await self._describe(adapter_id)
+            if ad is None:
+                raise AdapterNotFoundError(adapter_id)
+            uri = ad.get("weights_uri")
+        if not uri:
+            raise AdapterLoadError(adapter_id, "store_error", "the registry has no weights_uri for it")
+        await self.fetch_uri(adapter_id, uri, dest)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+        if self.store is not None:
+            await self.store.close()
+
+
+class CatalogSource(_StoreFetch):
+    """Standalone source (no registry): a fixed catalog `{adapter_id: weights_uri}` into the store.
+    `load(path)` reads it from a JSON file (an object, or `{"adapters": [{adapter_id, weights_uri}]}`)."""
+
+    def __init__(self, catalog: dict[str, str], store):
+        super().__init__(store)
+        self.catalog = dict(catalog)
+
+    @classmethod
+    def load(cls, path: str | Path, store) -> CatalogSource:
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, dict) and isinstance(data.get("adapters"), list):
+            data = {a["adapter_id"]: a["weights_uri"] for a in data["adapters"]}
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ValueError(f"{path}: expected {{adapter_id: weights_uri}}")
+        return cls(data, store)
+
+    async def exists(self, adapter_id: str) -> bool:
+        return adapter_id in self.catalog
+
+    async def fetch(self, adapter_id: str, dest: Path) -> None:
+        if adapter_id not in self.catalog:
+            raise AdapterNotFoundError(adapter_id)
+        await self.fetch_uri(adapter_id, self.catalog[adapter_id], dest)
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+
+
+class NoSource:
+    """No registry and no catalog: only adapters already on local disk are served."""
+
+    async def exists(self, adapter_id: str) -> bool:
+        return False
+
+    async def fetch(self, adapter_id: str, dest: Path) -> None:
+        raise AdapterNotFoundError(adapter_id)
+
+    async def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------- entries
+
+
+@dataclass
+class LoadedAdapter:
+    """A verified adapter in host RAM: PEFT tensor names -> tensors."""
+
+    adapter_id: str
+    weights: dict[str, torch.Tensor]
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    nbytes: int
+    manifest: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Slot:
+    pool: int
+    refs: int = 0
+    last_used: float = 0.0
+    mounted_at: float = 0.0
+
+
+@dataclass
+class CacheCounters:
+    loads: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0, "remote": 0})
+    load_errors: int = 0
+    evictions: int = 0  # device-slot evictions
+    evictions_in_use: int = 0  # must stay 0: an adapter with running requests evicted
+    ram_evictions: int = 0
+    disk_evictions: int = 0
+    slot_hits: int = 0
+    slot_misses: int = 0
+    slot_waits: int = 0  # a load had to wait for a busy pool's slot to become idle
+    eviction_log: list[tuple[float, str, int]] = field(default_factory=list)  # (time, id, refs) last 256
+
+
+def module_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-targetable projection of a Llama-family config."""
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (
+        lambda k, d=None: getattr(config, k, d))
+    hidden = get("hidden_size")
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or hidden // heads
+    inter = get("intermediate_size")
+    return {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def check_adapter_tensors(adapter_id: str, weights: dict[str, torch.Tensor], *, rank: int,
+                          target_modules: list[str], config: Any) -> None:
+    """Every tensor must be a LoRA A/B of a target module of an existing layer with the base's shapes
+    and the manifest's rank; each A must have its B. Raises AdapterLoadError(invalid_adapter)."""
+    shapes = module_shapes(config)
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    layers = get("num_hidden_layers")
+    seen: dict[tuple[int, str], set[str]] = {}
+
+    def bad(msg: str):
+        raise AdapterLoadError(adapter_id, "invalid_adapter", msg)
+
+    if not weights:
+        bad("the weights file holds no tensors")
+    for name, t in weights.items():
+        m = _KEY_RE.match(name)
+        if not m:
+            bad(f"unexpected tensor {name!r} (only LoRA A/B weights of attention/MLP projections)")
+        layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in shapes or (block == "self_attn") != (module in ATTN_MODULES):
+            bad(f"tensor {name!r}: unknown module {block}.{module}")
+        if module not in target_modules:
+            bad(f"tensor {name!r}: module {module} is not in target_modules {target_modules}")
+        if layer >= layers:
+            bad(f"tensor {name!r}: layer {layer} >= the base's {layers} layers")
+        if not t.is_floating_point():
+            bad(f"tensor {name!r}: dtype {t.dtype} is not floating point")
+        k_in, d_out = shapes[module]
+        want = (rank, k_in) if ab == "A" else (d_out, rank)
+        if tuple(t.shape) != want:
+            bad(f"tensor {name!r}: shape {tuple(t.shape)} != {want} (rank {rank}, base {module})")
+        seen.setdefault((layer, module), set()).add(ab)
+    for (layer, module), abs_ in seen.items():
+        if abs_ != {"A", "B"}:
+            bad(f"layer {layer} {module}: lora_A and lora_B must both be present")
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+# ---------------------------------------------------------------------------------- the cache
+
+
+class AdapterCache:
+    """See the module docstring. `engine` follows docs/contracts.md (mount_adapter, unmount_adapter,
+    mounted_adapters, free_slots, pool_rank_for)."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        base_config: Any,
+        base_model_hash: str,
+        trusted_keys: list | None,
+        source: AdapterSource | None = None,
+        disk_dir: str | Path,
+        ram_bytes: int = 4 * 1024**3,
+        disk_bytes: int = 32 * 1024**3,
+        rank_limit: int = 64,
+        metrics: ReplicaMetrics | None = None,
+        io_threads: int = 2,
+        dtype: torch.dtype | None = None,
+        pin_memory: bool = False,
+    ):
+        self.engine = engine
+        self.base_config = base_config
+        self.base_model_hash = base_model_hash
+        self.trusted_keys = list(trusted_keys or [])
+        self.source: AdapterSource = source or NoSource()
+        self.disk_dir = Path(disk_dir)
+        self.adapters_dir = self.disk_dir / "adapters"
+        self.tmp_dir = self.disk_dir / "tmp"
+        self.ram_bytes = int(ram_bytes)
+        self.disk_bytes = int(disk_bytes)
+        self.rank_limit = int(rank_limit)
+        self.metrics = metrics
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self.counters = CacheCounters()
+        self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="lorafarm-io")
+        self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount")
+        # tiers
+        self._slots: dict[str, _Slot] = {}  # mounted (device) adapters
+        self._ram: OrderedDict[str, LoadedAdapter] = OrderedDict()
+        self._ram_used = 0
+        self._disk: OrderedDict[str, int] = OrderedDict()  # adapter_id -> bytes on disk
+        self._disk_used = 0
+        # in flight
+        self._mounting: dict[str, asyncio.Task] = {}  # -> device slot
+        self._fetching: dict[str, asyncio.Task] = {}  # remote/disk -> ram
+        self._wanted: dict[str, int] = {}  # callers about to take a reference: not evictable
+        self._pool_locks: dict[int, asyncio.Lock] = {}
+        self._slot_freed: asyncio.Condition | None = None
+        self._draining: dict[str, asyncio.Future] = {}
+        self._pinned_disk: set[str] = set()  # being read: not evicted from disk meanwhile
+        self._unverified: set[str] = set()  # adopted from a previous run: checksums checked on first read
+
+    # -- setup ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the folders and re-adopt adapters verified by a previous run (their checksums are
+        checked again on first read, so a restart does not hash the whole disk tier up front)."""
+        self._slot_freed = asyncio.Condition()
+        self.adapters_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        found = await asyncio.get_running_loop().run_in_executor(self._io, self._scan_disk)
+        for aid, nbytes, mtime in sorted(found, key=lambda x: x[2]):
+            self._disk[aid] = nbytes
+            self._disk_used += nbytes
+            self._unverified.add(aid)
+        self._trim_disk()
+        self._update_gauges()
+
+    def _scan_disk(self) -> list[tuple[str, int, float]]:
+        """Adopt `<disk_dir>/adapters/<id>/` folders whose verification stamp matches this base and
+        rank limit and whose files have the manifest's sizes; remove the rest."""
+        out = []
+        for d in self.adapters_dir.iterdir():
+            ok = False
+            try:
+                stamp = json.loads((d / VERIFIED_STAMP).read_text())
+                man = stamp["manifest"]
+                ok = (
+                    d.is_dir() and SAFE_ID_RE.match(d.name) is not None
+                    and stamp.get("adapter_id") == d.name
+                    and man.get("base_model_hash") == self.base_model_hash
+                    and int(man.get("rank", 0)) <= self.rank_limit
+                )
+                files = man.get("files") or {}
+                for name in (CONFIG_FILE, WEIGHTS_FILE):
+                    info = files.get(name)
+                    if not ok or not isinstance(info, dict) or (d / name).stat().st_size != info.get("size"):
+                        ok = False
+                        break
+            except Exception:
+                ok = False
+            if ok:
+                out.append((d.name, _dir_bytes(d), d.stat().st_mtime))
+            else:
+                log.warning("removing unverifiable adapter folder %s", d)
+                shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+        return out
+
+    async def close(self) -> None:
+        try:
+            await self.source.close()
+        finally:
+            self._io.shutdown(wait=False, cancel_futures=True)
+            self._mount_thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def tier_of(self, adapter_id: str) -> str:
+        if adapter_id in self._slots:
+            return "gpu"
+        if adapter_id in self._ram:
+            return "ram"
+        if adapter_id in self._disk:
+            return "disk"
+        return "remote"
+
+    def gpu_adapters(self) -> list[str]:
+        return list(self._slots)
+
+    def ram_adapters(self) -> list[str]:
+        return list(self._ram)
+
+    def disk_adapters(self) -> list[str]:
+        return list(self._disk)
+
+    def refcount(self, adapter_id: str) -> int:
+        s = self._slots.get(adapter_id)
+        return s.refs if s else 0
+
+    def is_local(self, adapter_id: str) -> bool:
+        return adapter_id in self._slots or adapter_id in self._ram or adapter_id in self._disk
+
+    async def exists(self, adapter_id: str) -> bool:
+        """Known here or to the source (registry / catalog)."""
+        try:
+            check_adapter_id(adapter_id)
+        except AdapterNotFoundError:
+            return False
+        if self.is_local(adapter_id) or adapter_id in self._mounting or adapter_id in self._fetching:
+            return True
+        return await self.source.exists(adapter_id)
+
+    def stats(self) -> dict:
+        c = self.counters
+        m = self.metrics
+        return {
+            "gpu": len(self._slots), "ram": len(self._ram), "disk": len(self._disk),
+            "ram_bytes": self._ram_used, "disk_bytes": self._disk_used,
+            "loads": dict(c.loads), "load_errors": c.load_errors,
+            "evictions": c.evictions, "evictions_in_use": c.evictions_in_use,
+            "ram_evictions": c.ram_evictions, "disk_evictions": c.disk_evictions,
+            "slot_hits": c.slot_hits, "slot_misses": c.slot_misses, "slot_waits": c.slot_waits,
+            "loads_per_min": m.loads_per_min() if m else 0.0,
+            "evictions_per_min": m.evictions_per_min() if m else 0.0,
+            "refs": {a: s.refs for a, s in self._slots.items() if s.refs},
+        }
+
+    # -- request path -----------------------------------------------------------------------
+
+    async def acquire(self, adapter_id: str) -> str:
+        """Make `adapter_id` resident in a device slot and take a reference on it (the caller must
+        `release` it once its request finished). Returns the tier it was found in. Waits only for this
+        adapter's own load; raises AdapterNotFoundError / AdapterLoadError."""
+        check_adapter_id(adapter_id)
+        tier = self.tier_of(adapter_id)
+        counted = False
+        while True:
+            drain = self._draining.get(adapter_id)
+            if drain is not None:
+                await asyncio.shield(drain)
+                continue
+            slot = self._slots.get(adapter_id)
+            if slot is not None:
+                slot.refs += 1
+                slot.last_used = time.monotonic()
+                if not counted:
+                    self._count_hit(tier)
+                return tier
+            if not counted:
+                self._count_hit(tier)
+                counted = True
+            await self._ensure_mounted(adapter_id)
+
+    def release(self, adapter_id: str) -> None:
+        """Drop one reference (on the event loop). An idle adapter becomes evictable (LRU)."""
+        slot = self._slots.get(adapter_id)
+        if slot is None or slot.refs <= 0:
+            log.error("release of %s without a reference", adapter_id)
+            return
+        slot.refs -= 1
+        slot.last_used = time.monotonic()
+        if slot.refs == 0:
+            self._notify_slot_freed()
+
+    def _count_hit(self, tier: str) -> None:
+        if tier == "gpu":
+            self.counters.slot_hits += 1
+            if self.metrics:
+                self.metrics.adapter_slot_hits.inc()
+        else:
+            self.counters.slot_misses += 1
+            if self.metrics:
+                self.metrics.adapter_slot_misses.labels(tier=tier).inc()
+
+    def _notify_slot_freed(self) -> None:
+        cond = self._slot_freed
+        if cond is None:
+            return
+
+        async def _notify():
+            async with cond:
+                cond.notify_all()
+
+        asyncio.get_running_loop().create_task(_notify())
+
+    # -- admin path -------------------------------------------------------------------------
+
+    async def load(self, adapter_id: str) -> str:
+        """Pre-warm into a device slot (no reference kept). Returns the tier it was in."""
+        check_adapter_id(adapter_id)
+        tier = self.tier_of(adapter_id)
+        while adapter_id not in self._slots:
+            drain = self._draining.get(adapter_id)
+            if drain is not None:
+                await asyncio.shield(drain)
+                continue
+            await self._ensure_mounted(adapter_id)
+        self._slots[adapter_id].last_used = time.monotonic()
+        return tier
+
+    async def prefetch(self, adapter_id: str, *, to_ram: bool = True) -> str:
+        """Pull to disk (and RAM when `to_ram`) without taking a slot. Returns the tier it was in."""
+        check_adapter_id(adapter_id)
+        tier = self.tier_of(adapter_id)
+        if to_ram:
+            if adapter_id not in self._ram:
+                la = await self._ensure_ram(adapter_id)
+                if adapter_id in self._slots:
+                    return tier
+                self._put_ram(la)
+        else:
+            await self._ensure_disk(adapter_id)
+        return tier
+
+    async def unload(self, adapter_id: str, *, purge_disk: bool = False, timeout: float | None = None) -> dict:
+        """Drain (new requests for it wait; running ones finish), then unmount it and drop it from RAM
+        (and from disk with `purge_disk`). Returns what was removed."""
+        check_adapter_id(adapter_id)
+        while adapter_id in self._draining:
+            await asyncio.shield(self._draining[adapter_id])
+        done = asyncio.get_running_loop().create_future()
+        self._draining[adapter_id] = done
+        removed: list[str] = []
+        try:
+            while adapter_id in self._mounting:  # a load in flight: let it land, then remove it
+                try:
+                    await asyncio.shield(self._mounting[adapter_id])
+                except Exception:
+                    pass
+            assert self._slot_freed is not None
+            async with self._slot_freed:
+                await asyncio.wait_for(
+                    self._slot_freed.wait_for(lambda: self.refcount(adapter_id) == 0), timeout)
+            if adapter_id in self._slots:
+                slot = self._slots.pop(adapter_id)
+                try:
+                    await self._run_mount_thread(self.engine.unmount_adapter, adapter_id)
+                except Exception:
+                    self._slots[adapter_id] = slot
+                    raise
+                removed.append("gpu")
+                self._notify_slot_freed()
+            if adapter_id in self._ram:
+                self._drop_ram(adapter_id)
+                removed.append("ram")
+            if purge_disk and adapter_id in self._disk and adapter_id not in self._pinned_disk:
+                self._drop_disk(adapter_id)
+                removed.append("disk")
+        finally:
+            del self._draining[adapter_id]
+            done.set_result(None)
+            self._update_gauges()
+        return {"adapter_id": adapter_id, "removed": removed}
+
+    # -- loading ----------------------------------------------------------------------------
+
+    async def _ensure_mounted(self, adapter_id: str) -> None:
+        """Single-flight: one load task per adapter, not owned by any request (a caller that goes away
+        never cancels the load for the others); every caller awaits it shielded."""
+        task = self._mounting.get(adapter_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._load_and_mount(adapter_id))
+            self._mounting[adapter_id] = task
+
+            def _done(t, aid=adapter_id):
+                if self._mounting.get(aid) is t:
+                    del self._mounting[aid]
+                if not t.cancelled():
+                    t.exception()  # retrieved here; callers get it from their own await
+
+            task.add_done_callback(_done)
+        self._wanted[adapter_id] = self._wanted.get(adapter_id, 0) + 1
+        try:
+            await asyncio.shield(task)
+        finally:
+            # the caller takes its reference right after this returns, in the same loop turn
+            n = self._wanted.get(adapter_id, 1) - 1
+            if n <= 0:
+                self._wanted.pop(adapter_id, None)
+            else:
+                self._wanted[adapter_id] = n
+
+    async def _load_and_mount(self, adapter_id: str) -> None:
+        src_tier = self.tier_of(adapter_id)
+        t0 = time.perf_counter()
+        try:
+            la = self._ram.get(adapter_id)
+            if la is not None:
+                self._ram.move_to_end(adapter_id)
+            else:
+                la = await self._ensure_ram(adapter_id)
+            await self._mount(la)
+        except BaseException as e:
+            self.counters.load_errors += 1
+            if self.metrics:
+                self.metrics.record_load(src_tier, time.perf_counter() - t0, ok=False)
+            if isinstance(e, asyncio.CancelledError):
+                raise AdapterLoadError(adapter_id, "cancelled", "the load was cancelled (shutdown)") from None
+            if isinstance(e, (AdapterLoadError, AdapterNotFoundError)):
+                log.warning("load of %s failed: %s", adapter_id, e)
+                raise
+            err = AdapterLoadError(adapter_id, _error_code(e), str(e) or e.__class__.__name__)
+            log.warning("load of %s failed: %s", adapter_id, err)
+            raise err from e
+        else:
+            self.counters.loads[src_tier if src_tier != "gpu" else "ram"] += 1
+            if self.metrics:
+                self.metrics.record_load(src_tier, time.perf_counter() - t0, ok=True)
+        finally:
+            self._update_gauges()
+
+    async def _mount(self, la: LoadedAdapter) -> None:
+        """Take a slot in the adapter's rank pool (evicting the LRU idle adapter of that pool, or
+        waiting for one to become idle) and mount it there."""
+        pool = self.engine.pool_rank_for(la.rank)
+        lock = self._pool_locks.setdefault(pool, asyncio.Lock())
+        async with lock:
+            waited = False
+            while self.engine.free_slots(la.rank) <= 0:
+                victim = self._lru_idle(pool)
+                if victim is not None:
+                    try:
+                        await self._evict_slot(victim)
+                    except Exception as e:  # the engine still holds a row of it (a cancel in flight)
+                        log.debug("eviction of %s deferred: %s", victim, e)
+                        await asyncio.sleep(0.005)
+                    continue
+                if not waited:
+                    self.counters.slot_waits += 1
+                    waited = True
+                assert self._slot_freed is not None
+                async with self._slot_freed:
+                    # re-check under the condition; wake up at least every second as a safety net
+                    if self._lru_idle(pool) is None and self.engine.free_slots(la.rank) <= 0:
+                        try:
+                            await asyncio.wait_for(self._slot_freed.wait(), 1.0)
+                        except asyncio.TimeoutError:
+                            pass
+            await self._run_mount_thread(
+                self.engine.mount_adapter, la.adapter_id, la.weights,
+                rank=la.rank, alpha=la.alpha, target_modules=list(la.target_modules))
+            now = time.monotonic()
+            self._slots[la.adapter_id] = _Slot(pool=pool, refs=0, last_used=now, mounted_at=now)
+            if la.adapter_id not in self._ram:
+                self._put_ram(la)
+
+    def _lru_idle(self, pool: int) -> str | None:
+        best, best_t = None, None
+        for aid, s in self._slots.items():
+            if s.pool == pool and s.refs == 0 and aid not in self._draining and aid not in self._wanted:
+                if best_t is None or s.last_used < best_t:
+                    best, best_t = aid, s.last_used
+        return best
+
+    async def _evict_slot(self, adapter_id: str) -> None:
+        slot = self._slots.pop(adapter_id)  # gone from the table first: no new reference can land
+        in_use = slot.refs > 0
+        if in_use:  # never happens by construction; counted so tests and alerts can prove it
+            self.counters.evictions_in_use += 1
+        try:
+            await self._run_mount_thread(self.engine.unmount_adapter, adapter_id)
+        except Exception:
+            self._slots[adapter_id] = slot
+            raise
+        self.counters.evictions += 1
+        self.counters.eviction_log.append((time.time(), adapter_id, slot.refs))
+        del self.counters.eviction_log[:-256]
+        if self.metrics:
+            self.metrics.record_eviction("gpu", in_use=in_use)
+        log.info("evicted %s from its device slot (pool r%d)", adapter_id, slot.pool)
+
+    async def _run_mount_thread(self, fn, *args, **kw):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._mount_thread, lambda: fn(*args, **kw))
+
+    async def _ensure_ram(self, adapter_id: str) -> LoadedAdapter:
+        """Single-flight (a task, shielded): disk (fetched from remote first when needed) -> verified
+        tensors. The caller decides whether to keep them in the RAM tier."""
+        la = self._ram.get(adapter_id)
+        if la is not None:
+            self._ram.move_to_end(adapter_id)
+            return la
+        task = self._fetching.get(adapter_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._disk_to_ram(adapter_id))
+            self._fetching[adapter_id] = task
+
+            def _done(t, aid=adapter_id):
+                if self._fetching.get(aid) is t:
+                    del self._fetching[aid]
+                if not t.cancelled():
+                    t.exception()
+
+            task.add_done_callback(_done)
+        return await asyncio.shield(task)
+
+    async def _disk_to_ram(self, adapter_id: str) -> LoadedAdapter:
+        await self._ensure_disk(adapter_id)
+        loop = asyncio.get_running_loop()
+        self._pinned_disk.add(adapter_id)
+        try:
+            if adapter_id in self._unverified:
+                if await loop.run_in_executor(self._io, self._recheck_disk, adapter_id):
+                    self._unverified.discard(adapter_id)
+                else:  # changed on disk since it was verified: drop it and fetch a fresh copy
+                    log.warning("adapter %s changed on disk since it was verified: fetching it again", adapter_id)
+                    self._pinned_disk.discard(adapter_id)
+                    self._drop_disk(adapter_id)
+                    await self._ensure_disk(adapter_id)
+                    self._pinned_disk.add(adapter_id)
+            la = await loop.run_in_executor(self._io, self._read_disk, adapter_id)
+        finally:
+            self._pinned_disk.discard(adapter_id)
+        if adapter_id in self._disk:
+            self._disk.move_to_end(adapter_id)
+        return la
+
+    async def _ensure_disk(self, adapter_id: str) -> None:
+        if adapter_id in self._disk:
+            self._disk.move_to_end(adapter_id)
+            return
+        if not await self.source.exists(adapter_id):
+            raise AdapterNotFoundError(adapter_id)
+        loop = asyncio.get_running_loop()
+        tmp = self.tmp_dir / f"{adapter_id}.{time.monotonic_ns()}"
+        tmp.mkdir(parents=True)
+        try:
+            lar = tmp / "archive.lar"
+            await self.source.fetch(adapter_id, lar)
+            manifest = await loop.run_in_executor(self._io, self._extract, adapter_id, lar, tmp / "x")
+            final = self.adapters_dir / adapter_id
+            if final.exists():
+                shutil.rmtree(final, ignore_errors=True)
+            (tmp / "x").rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        nbytes = _dir_bytes(final)
+        self._disk[adapter_id] = nbytes
+        self._disk_used += nbytes
+        log.info("fetched %s (%s bytes, version %s)", adapter_id, nbytes, manifest.get("version"))
+        self._trim_disk(keep=adapter_id)
+
+    def _extract(self, adapter_id: str, lar: Path, dest: Path) -> dict:
+        """Verify (signature, checksums, base hash, rank limit) then extract; stamp the folder."""
+        from archives.extract import extract_archive
+
+        if not self.trusted_keys:
+            from archives.errors import SignatureError
+
+            raise SignatureError("no trusted public key configured (--trust): refusing unsigned trust")
+        dest.mkdir(parents=True, exist_ok=True)
+        manifest = extract_archive(lar, dest, self.trusted_keys, base_model_hash=self.base_model_hash,
+                                   max_rank=self.rank_limit)
+        man = manifest.model_dump(mode="json") if hasattr(manifest, "model_dump") else dict(manifest)
+        if man.get("adapter_id") != adapter_id:
+            raise AdapterLoadError(adapter_id, "invalid_adapter",
+                                   f"the archive is signed for adapter {man.get('adapter_id')!r}, not {adapter_id!r}")
+        stamp = {"adapter_id": adapter_id, "manifest": man, "verified_at": time.time()}
+        (dest / VERIFIED_STAMP).write_text(json.dumps(stamp))
+        return man
+
+    def _recheck_disk(self, adapter_id: str) -> bool:
+        """The files of an adopted folder still have their verified manifest's checksums."""
+        from archives.digest import file_sha256
+
+        d = self.adapters_dir / adapter_id
+        try:
+            files = json.loads((d / VERIFIED_STAMP).read_text())["manifest"]["files"]
+            return all(file_sha256(d / name) == files[name]["sha256"] for name in (CONFIG_FILE, WEIGHTS_FILE))
+        except Exception:
+            return False
+
+    def _read_disk(self, adapter_id: str) -> LoadedAdapter:
+        """Read a verified folder into RAM and check tensors against the base's shapes."""
+        from safetensors.torch import load_file
+
+        d = self.adapters_dir / adapter_id
+        stamp = json.loads((d / VERIFIED_STAMP).read_text())
+        man = stamp["manifest"]
+        rank = int(man["rank"])
+        if rank > self.rank_limit:
+            raise AdapterLoadError(adapter_id, "rank_limit", f"rank {rank} > the replica's limit {self.rank_limit}")
+        if man.get("base_model_hash") != self.base_model_hash:
+            raise AdapterLoadError(adapter_id, "base_mismatch",
+                                   f"built for base {man.get('base_model_hash')}, this replica serves "
+                                   f"{self.base_model_hash}")
+        cfg = json.loads((d / CONFIG_FILE).read_text())
+        for unsupported in ("use_dora", "use_rslora"):
+            if cfg.get(unsupported):
+                raise AdapterLoadError(adapter_id, "invalid_adapter", f"{unsupported} adapters are not supported")
+        for pattern in ("rank_pattern", "alpha_pattern"):
+            if cfg.get(pattern):
+                raise AdapterLoadError(adapter_id, "invalid_adapter", f"per-module {pattern} is not supported")
+        weights = load_file(str(d / WEIGHTS_FILE))
+        target_modules = list(man.get("target_modules") or cfg.get("target_modules") or [])
+        check_adapter_tensors(adapter_id, weights, rank=rank, target_modules=target_modules,
+                              config=self.base_config)
+        if self.dtype is not None:
+            weights = {k: v.to(self.dtype) for k, v in weights.items()}
+        if self.pin_memory:
+            weights = {k: v.pin_memory() for k, v in weights.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        return LoadedAdapter(adapter_id, weights, rank, float(man.get("alpha", cfg.get("lora_alpha", rank))),
+                             target_modules, nbytes, man)
+
+    # -- RAM / disk bookkeeping -------------------------------------------------------------
+
+    def _put_ram(self, la: LoadedAdapter) -> None:
+        if la.nbytes > self.ram_bytes:
+            return  # larger than the whole tier: serve it from disk each time
+        if la.adapter_id in self._ram:
+            self._ram.move_to_end(la.adapter_id)
+            return
+        self._ram[la.adapter_id] = la
+        self._ram_used += la.nbytes
+        while self._ram_used > self.ram_bytes and self._ram:
+            victim = next(iter(self._ram))
+            if victim == la.adapter_id:
+                break
+            self._drop_ram(victim)
+            self.counters.ram_evictions += 1
+            if self.metrics:
+                self.metrics.record_eviction("ram")
+        self._update_gauges()
+
+    def _drop_ram(self, adapter_id: str) -> None:
+        la = self._ram.pop(adapter_id, None)
+        if la is not None:
+            self._ram_used -= la.nbytes
+
+    def _trim_disk(self, keep: str | None = None) -> None:
+        for victim in list(self._disk):
+            if self._disk_used <= self.disk_bytes:
+                break
+            if victim == keep or victim in self._pinned_disk or victim in self._fetching:
+                continue
+            self._drop_disk(victim)
+            self.counters.disk_evictions += 1
+            if self.metrics:
+                self.metrics.record_eviction("disk")
+
+    def _drop_disk(self, adapter_id: str) -> None:
+        self._unverified.discard(adapter_id)
+        nbytes = self._disk.pop(adapter_id, None)
+        if nbytes is not None:
+            self._disk_used -= nbytes
+            shutil.rmtree(self.adapters_dir / adapter_id, ignore_errors=True)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        if not m:
+            return
+        m.adapters_resident.labels(tier="gpu").set(len(self._slots))
+        m.adapters_resident.labels(tier="ram").set(len(self._ram))
+        m.adapters_resident.labels(tier="disk").set(len(self._disk))
+        m.tier_bytes.labels(tier="ram").set(self._ram_used)
+        m.tier_bytes.labels(tier="disk").set(self._disk_used)

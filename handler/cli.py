@@ -1,0 +1,132 @@
+"""`lorafarm replica`: serve one base model and its adapters (handler.app on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from lorafarm.errors import CliError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """`1073741824`, `4GiB`, `512MB`, `2g` -> bytes."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MB, 1048576)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_pools(text: str) -> dict[int, int]:
+    """`8:4,16:4,32:2` -> {8: 4, 16: 4, 32: 2} (rank: slots)."""
+    try:
+        pools = {int(r): int(s) for r, s in (part.split(":") for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a pool list: {text!r} (e.g. 8:4,16:4,32:2)") from None
+    if not pools or any(r < 1 or s < 0 for r, s in pools.items()):
+        raise argparse.ArgumentTypeError(f"bad pool list {text!r}")
+    return pools
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name) or default
+
+
+def register(sub) -> None:
+    p = sub.add_parser("replica", help="serve a base model and its LoRA adapters (OpenAI API + internal API)",
+                       description="Start one replica: loads the base, joins the registry (when --registry "
+                                   "is given) and serves /v1/chat/completions, /v1/completions and the "
+                                   "internal load/unload/state API.")
+    p.add_argument("--id", dest="replica_id", default=_env("LORAFARM_REPLICA_ID", "r0"), help="replica id (default r0)")
+    p.add_argument("--base", required=True, help="base model folder (Hugging Face layout)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
+    p.add_argument("--model-name", default=None, help="name clients use for the base model (default: base dir name)")
+    p.add_argument("--advertise-url", default=None, help="URL the registry gives the router (default http://host:port)")
+    p.add_argument("--registry", default=_env("LORAFARM_REGISTRY_URL"),
+                   help="registry URL ($LORAFARM_REGISTRY_URL); without it the replica runs standalone")
+    p.add_argument("--admin-token", default=_env("LORAFARM_ADMIN_TOKEN"),
+                   help="bearer token for everything but /health and /metrics ($LORAFARM_ADMIN_TOKEN)")
+    p.add_argument("--store-url", default=_env("LORAFARM_STORE_URL"),
+                   help="object store (file:///dir or s3://bucket/prefix; $LORAFARM_STORE_URL); adapter "
+                        "weights_uri must lie inside it. Without it archives come from the registry")
+    p.add_argument("--s3-endpoint-url", default=_env("LORAFARM_S3_ENDPOINT_URL"), help="S3-compatible endpoint")
+    p.add_argument("--trust", action="append", default=None, metavar="PUBLIC_PEM",
+                   help="trusted archive signing key (repeatable; default $LORAFARM_TRUST, ':'-separated)")
+    p.add_argument("--adapter-catalog", default=None,
+                   help="standalone only: JSON {adapter_id: weights_uri} of archives in --store-url")
+    p.add_argument("--slots", type=int, default=8, help="device slots per rank pool (default 8)")
+    p.add_argument("--rank-pools", type=parse_pools, default=None, metavar="R:S,...",
+                   help="explicit rank pools, e.g. 8:16,16:8,32:4 (overrides --slots)")
+    p.add_argument("--ram-bytes", type=parse_size, default=4 * 1024**3, help="host RAM tier budget (default 4GiB)")
+    p.add_argument("--disk-bytes", type=parse_size, default=32 * 1024**3, help="disk tier budget (default 32GiB)")
+    p.add_argument("--disk-dir", default=None, help="disk tier folder (default var/replicas/<id>)")
+    p.add_argument("--kv-cache-bytes", type=parse_size, default=None, help="KV cache budget (default: engine's)")
+    p.add_argument("--rank-limit", type=int, default=64, help="largest adapter rank accepted (default 64)")
+    p.add_argument("--merged-adapter", default=None, metavar="ADAPTER_ID",
+                   help="merged mode: fold this adapter into the base and serve only it")
+    p.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; 429 above (default 256)")
+    p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
+    p.add_argument("--prewarm", type=int, default=None, help="owned adapters pre-warmed into slots (default --slots)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_replica)
+
+
+def build_config(args: argparse.Namespace):
+    """argparse namespace -> ReplicaConfig (checked: paths exist, flags consistent)."""
+    from pathlib import Path
+
+    from handler.app import ReplicaConfig
+    from handler.handler import Limits
+
+    base = Path(args.base)
+    if not (base / "config.json").is_file():
+        raise CliError(f"--base {base}: no config.json (a Hugging Face model folder is expected)")
+    trust = args.trust
+    if trust is None:
+        trust = [t for t in (_env("LORAFARM_TRUST") or "").split(":") if t]
+    for t in trust:
+        if not Path(t).is_file():
+            raise CliError(f"--trust {t}: no such file")
+    if args.adapter_catalog and args.registry:
+        raise CliError("--adapter-catalog is for standalone mode; with --registry the registry is the catalog")
+    if args.adapter_catalog and not args.store_url:
+        raise CliError("--adapter-catalog needs --store-url (its URIs point into the store)")
+    if (args.registry or args.adapter_catalog or args.merged_adapter) and not trust:
+        raise CliError("no trusted public key: pass --trust public.pem (or set LORAFARM_TRUST)")
+    if args.slots < 0 or args.rank_limit < 1:
+        raise CliError("--slots must be >= 0 and --rank-limit >= 1")
+    device = args.device
+    dtype = args.dtype
+    if dtype is None:
+        import torch
+
+        cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        dtype = "bfloat16" if cuda else "float32"
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, rank_limit=args.rank_limit,
+                    max_batch=args.max_batch)
+    return ReplicaConfig(
+        base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host, port=args.port,
+        advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,
+        store_url=args.store_url, s3_endpoint_url=args.s3_endpoint_url, trust=[Path(t) for t in trust],
+        adapter_catalog=Path(args.adapter_catalog) if args.adapter_catalog else None, slots=args.slots,
+        rank_pools=args.rank_pools, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
+        disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=args.kv_cache_bytes,
+        device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits, prewarm=args.prewarm)
+
+
+def _replica(args: argparse.Namespace) -> int:
+    from handler.app import run
+
+    config = build_config(args)
+    run(config, log_level=args.log_level)
+    return 0

@@ -1,0 +1,634 @@
+"""The replica engine: continuous batching over one base model with many LoRA adapters.
+
+    engine = Engine(model_dir, device=None, dtype=torch.float32, kv_cache_bytes=..., max_batch=32,
+                    rank_pools={8: 8, 16: 8, 32: 8, 64: 4}, max_prefill_tokens=512)
+    engine.mount_adapter("ad-...", weights, rank=16, alpha=32, target_modules=[...])
+    engine.add_request("req-1", prompt_ids, SamplingParams(max_tokens=64), "ad-...", on_event)
+    engine.start()            # or call engine.step() yourself
+
+Scheduling, once per `step()`:
+  1. Admission, first come first served: the head of the waiting queue joins the batch when the
+     batch has a free row and the KV cache can reserve prompt + max_tokens tokens for it. A request
+     that does not fit waits (it is never failed for a full cache); nothing behind it overtakes it.
+  2. One forward pass over the flat tokens of: prefill chunks of admitted requests, at most
+     `max_prefill_tokens` in all (a long prompt is split across steps), and one decode token for
+     every running request. The base products run once for all tokens; adapter deltas are the
+     batched multi-LoRA products of `handler.lora`.
+  3. Sampling per request, events, and finished or cancelled requests leave the batch and free
+     their cache blocks at once.
+
+Thread safety: `add_request`, `cancel`, `mount_adapter`, `unmount_adapter`, `stats` and the
+lookups may be called from any thread while another thread runs `step()` (or after `start()`).
+`on_event` callbacks run on the engine thread (a cancellation's final event runs on the thread
+that completed it) and must not block.
+
+Every event carries the running usage: `prompt_tokens` and `completion_tokens` (generated tokens,
+the final EOS included). `finish_reason` is "stop" (EOS, stop token or stop string), "length"
+(max_tokens), "cancelled" or "error". `text` is the new detokenized text of the step (possibly
+empty while a multi-byte character or a possible stop-string prefix is held back); stop strings
+are not part of the text.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from handler.kvcache import KVCache
+from handler.lora import InvalidAdapterWeightsError, ModelLoRA, read_peft_adapter
+from handler.merge import MergedAdapter, merge_adapter
+from handler.model import Runner, build_step_batch
+from handler.sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "SamplingParams",
+    "TokenEvent",
+    "MergedAdapter",
+    "EngineError",
+    "NoFreeSlotError",
+    "AdapterInUseError",
+    "UnknownAdapterError",
+    "InvalidAdapterError",
+    "InvalidRequestError",
+    "RequestTooLongError",
+    "DEFAULT_RANK_POOLS",
+]
+
+DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class NoFreeSlotError(EngineError):
+    """The rank pool an adapter needs has no free slot (unmount an idle adapter first)."""
+
+
+class AdapterInUseError(EngineError):
+    """The adapter still has waiting or running requests."""
+
+
+class UnknownAdapterError(EngineError, LookupError):
+    """The adapter is not mounted on this engine."""
+
+
+class InvalidAdapterError(EngineError, ValueError):
+    """Adapter weights that do not fit the base model, the declared rank, or any rank pool."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine can never serve as given (bad ids, params, duplicate request id)."""
+
+
+class RequestTooLongError(InvalidRequestError):
+    """prompt + max_tokens exceeds the engine's max_context."""
+
+
+# ------------------------------------------------------------------------------------------ events
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_id: int | None
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" on the final event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int  # admitted requests (prefilling or decoding)
+    waiting: int  # queued, not yet admitted
+    tokens_in_flight: int  # remaining work: unprefilled prompt tokens + tokens still to generate
+    kv_cache_usage: float  # fraction of KV cache blocks reserved, 0..1
+    # beyond the contract
+    mounted_adapters: int = 0
+    free_slots: dict = field(default_factory=dict)  # pool rank -> free slots
+    steps: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    kv_cache_capacity_tokens: int = 0
+
+
+@dataclass
+class _Mounted:
+    slot: int
+    rank: int
+    pool_rank: int
+    refs: int = 0
+
+
+class _Request:
+    __slots__ = (
+        "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled",
+        "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop",
+    )
+
+    def __init__(self, rid, prompt, params, adapter_id, slot, on_event, gen):
+        self.id, self.prompt, self.params = rid, prompt, params
+        self.adapter_id, self.slot, self.on_event, self.gen = adapter_id, slot, on_event, gen
+        self.out: list[int] = []
+        self.blocks: list[int] | None = None
+        self.prefilled = 0
+        self.cancelled = False
+        self.text = ""  # all completion text decoded so far (before stop-string truncation)
+        self.emitted = 0  # characters of `text` already sent
+        self.prefix_off = 0
+        self.read_off = 0
+        self.arrival = time.monotonic()
+        self.max_stop = max((len(s) for s in params.stop), default=0)
+
+    def remaining(self) -> int:
+        return (len(self.prompt) - self.prefilled) + (self.params.max_tokens - len(self.out))
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        kv_cache_bytes: int | None = None,
+        max_batch: int = 32,
+        rank_pools: Mapping[int, int] | None = None,
+        max_prefill_tokens: int = 512,
+        *,
+        max_context: int | None = None,
+        block_size: int = 16,
+        merged_adapter: MergedAdapter | None = None,
+    ):
+        """Load the model and preallocate the KV cache and the adapter slot stacks.
+
+        kv_cache_bytes: the KV cache budget; None sizes it for max_batch requests of
+        min(max_position_embeddings, 2048) tokens, capped at 2 GiB.
+        merged_adapter: merged mode: fold this adapter into the weights; the engine then serves only
+        that adapter id (no slots, no LoRA path).
+        """
+        if max_batch < 1 or max_prefill_tokens < 1 or block_size < 1:
+            raise ValueError("max_batch, max_prefill_tokens and block_size must be positive")
+        self.model_dir = Path(model_dir)
+        self.runner = Runner(self.model_dir, dtype=dtype, device=device)
+        self.device, self.dtype = self.runner.device, dtype
+        self.config = self.runner.config
+        self.hf_config = self.runner.hf_config
+        self.max_batch, self.max_prefill_tokens = int(max_batch), int(max_prefill_tokens)
+
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self._backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        gen_cfg = self.model_dir / "generation_config.json"
+        if gen_cfg.exists():
+            import json
+
+            g = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos.update(g if isinstance(g, list) else ([g] if g is not None else []))
+        self.eos_token_ids = frozenset(eos)
+
+        self.merged_adapter_id: str | None = None
+        self.lora: ModelLoRA | None = None
+        if merged_adapter is not None:
+            w = merged_adapter.weights
+            if isinstance(w, (str, Path)):
+                w = read_peft_adapter(w).weights
+            try:
+                merge_adapter(self.runner, w, merged_adapter.rank, merged_adapter.alpha,
+                              merged_adapter.target_modules, merged_adapter.use_rslora)
+            except InvalidAdapterWeightsError as e:
+                raise InvalidAdapterError(str(e)) from None
+            self.merged_adapter_id = merged_adapter.adapter_id
+        else:
+            pools = dict(DEFAULT_RANK_POOLS if rank_pools is None else rank_pools)
+            if pools:
+                self.lora = ModelLoRA(self.config, pools, dtype, self.device)
+                self.runner.lora = self.lora
+
+        if kv_cache_bytes is None:
+            per_tok = KVCache.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype)
+            kv_cache_bytes = min(self.max_batch * min(self.config.max_position_embeddings, 2048) * per_tok, 2 << 30)
+        self.kv = KVCache.from_budget(self.config, kv_cache_bytes, dtype, self.device, block_size)
+        self.max_context = min(self.config.max_position_embeddings, self.kv.capacity_tokens)
+        if max_context is not None:
+            self.max_context = min(self.max_context, int(max_context))
+
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()
+        self._adapters: dict[str, _Mounted] = {}
+        self._loading: dict[str, threading.Event] = {}
+        self._free: dict[int, list[int]] = {}
+        if self.lora is not None:
+            for i, (r, _) in enumerate(self.lora.pools):
+                self._free[r] = list(reversed(self.lora.slots_of_pool(i)))
+        self._requests: dict[str, _Request] = {}
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._prefilling: list[_Request] = []
+        self._running: list[_Request] = []
+        self._in_forward: set[str] = set()
+        self._steps = 0
+        self._prompt_total = 0
+        self._gen_total = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # ------------------------------------------------------------------------------- adapters
+
+    def pool_rank_for(self, rank: int) -> int:
+        """The rank of the pool an adapter of this rank goes to; InvalidAdapterError if none fits."""
+        if self.lora is None:
+            raise InvalidAdapterError("this engine has no adapter slots (merged mode or rank_pools={})")
+        try:
+            return self.lora.pool_rank_for(int(rank))
+        except ValueError as e:
+            raise InvalidAdapterError(str(e)) from None
+
+    def free_slots(self, rank: int) -> int:
+        """Free slots in the pool that an adapter of this rank would use (0 when none fits)."""
+        try:
+            pr = self.pool_rank_for(rank)
+        except InvalidAdapterError:
+            return 0
+        with self._lock:
+            return len(self._free[pr])
+
+    def mounted_adapters(self) -> list[str]:
+        with self._lock:
+            if self.merged_adapter_id is not None:
+                return [self.merged_adapter_id]
+            return sorted(self._adapters)
+
+    def is_mounted(self, adapter_id: str) -> bool:
+        with self._lock:
+            return adapter_id in self._adapters or adapter_id == self.merged_adapter_id
+
+    def adapter_refs(self, adapter_id: str) -> int:
+        """Waiting + running requests of a mounted adapter (0 when not mounted)."""
+        with self._lock:
+            m = self._adapters.get(adapter_id)
+            return m.refs if m else 0
+
+    def mount_adapter(
+        self,
+        adapter_id: str,
+        weights: Mapping[str, torch.Tensor] | str | Path,
+        *,
+        rank: int,
+        alpha: float,
+        target_modules: Iterable[str] | None = None,
+        use_rslora: bool = False,
+    ) -> int:
+        """Copy an adapter (PEFT tensor names, or a PEFT folder path) into a free slot of its rank pool.
+
+        Returns the slot. Mounting an id that is already mounted is a no-op. Raises NoFreeSlotError
+        when the pool is full and InvalidAdapterError when the tensors do not fit. Safe to call while
+        the engine runs: the weights are copied into a slot no running request reads.
+        """
+        if self.merged_adapter_id is not None:
+            if adapter_id == self.merged_adapter_id:
+                return 0
+            raise NoFreeSlotError("merged-mode engine: no adapter slots")
+        pool_rank = self.pool_rank_for(rank)
+        if isinstance(weights, (str, Path)):
+            weights = read_peft_adapter(weights).weights
+        while True:
+            with self._lock:
+                if adapter_id in self._adapters:
+                    return self._adapters[adapter_id].slot
+                pending = self._loading.get(adapter_id)
+                if pending is None:
+                    if not self._free[pool_rank]:
+                        raise NoFreeSlotError(
+                            f"no free slot in the rank-{pool_rank} pool for {adapter_id} (rank {rank})"
+                        )
+                    slot = self._free[pool_rank].pop()
+                    done = self._loading[adapter_id] = threading.Event()
+                    break
+            pending.wait()  # another thread is mounting the same id
+        try:
+            self.lora.set_adapter(slot, weights, int(rank), float(alpha), target_modules, use_rslora)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException as e:
+            with self._lock:
+                self.lora.reset_adapter(slot)
+                self._free[pool_rank].append(slot)
+                del self._loading[adapter_id]
+                done.set()
+            if isinstance(e, InvalidAdapterWeightsError):
+                raise InvalidAdapterError(f"{adapter_id}: {e}") from None
+            raise
+        with self._lock:
+            self._adapters[adapter_id] = _Mounted(slot, int(rank), pool_rank)
+            del self._loading[adapter_id]
+            done.set()
+        log.info("mounted adapter %s (rank %d) in slot %d of the rank-%d pool", adapter_id, rank, slot, pool_rank)
+        return slot
+
+    def unmount_adapter(self, adapter_id: str) -> None:
+        """Free the adapter's slot. AdapterInUseError while requests use it; UnknownAdapterError if absent."""
+        with self._lock:
+            m = self._adapters.get(adapter_id)
+            if m is None:
+                raise UnknownAdapterError(f"adapter {adapter_id} is not mounted")
+            if m.refs > 0:
+                raise AdapterInUseError(f"adapter {adapter_id} has {m.refs} waiting or running requests")
+            del self._adapters[adapter_id]
+            self.lora.reset_adapter(m.slot)
+            self._free[m.pool_rank].append(m.slot)
+            self._cond.notify_all()
+        log.info("unmounted adapter %s from slot %d", adapter_id, m.slot)
+
+    # ------------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter_id: str | None,
+        on_event: Callable[[TokenEvent], None] | None,
+    ) -> None:
+        """Queue a request; it joins the batch at the next step where its cache fits.
+
+        Raises RequestTooLongError (prompt + max_tokens > max_context), InvalidRequestError (bad
+        params or ids, duplicate live request id) or UnknownAdapterError (adapter not mounted).
+        """
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidRequestError("prompt_ids is empty")
+        if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_context:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds this engine's max_context of {self.max_context} tokens"
+            )
+        with self._lock:
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+            slot = 0
+            if self.merged_adapter_id is not None:
+                if adapter_id != self.merged_adapter_id:
+                    raise UnknownAdapterError(
+                        f"this merged-mode engine serves only adapter {self.merged_adapter_id}, not {adapter_id}"
+                    )
+            elif adapter_id is not None:
+                m = self._adapters.get(adapter_id)
+                if m is None:
+                    raise UnknownAdapterError(f"adapter {adapter_id} is not mounted")
+                m.refs += 1
+                slot = m.slot
+            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, make_generator(params, self.device))
+            self._requests[request_id] = req
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request. A waiting request leaves the queue and a running one frees its row and
+        cache now (or right after the forward pass in progress, if it is in it). Its final event has
+        finish_reason "cancelled". Returns False for an unknown or already finished request."""
+        events: list[tuple[_Request, TokenEvent]] = []
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.cancelled:
+                return False
+            req.cancelled = True
+            if request_id in self._in_forward:
+                return True  # the step finishes it right after the forward pass
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._finish(req, None, "cancelled", events)
+            self._cond.notify_all()
+        self._dispatch(events)
+        return True
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            live = list(self._requests.values())
+            return EngineStats(
+                running=len(self._prefilling) + len(self._running),
+                waiting=len(self._waiting),
+                tokens_in_flight=sum(r.remaining() for r in live),
+                kv_cache_usage=self.kv.usage(),
+                mounted_adapters=len(self._adapters) + (self.merged_adapter_id is not None),
+                free_slots={r: len(s) for r, s in self._free.items()},
+                steps=self._steps,
+                prompt_tokens_total=self._prompt_total,
+                generated_tokens_total=self._gen_total,
+                kv_cache_capacity_tokens=self.kv.capacity_tokens,
+            )
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._prefilling or self._running)
+
+    # ------------------------------------------------------------------------------- stepping
+
+    def step(self) -> bool:
+        """Admit, run one forward pass (bounded prefill + one decode token per running request),
+        sample and emit events. Returns False when there was nothing to run."""
+        with self._step_lock:
+            events: list[tuple[_Request, TokenEvent]] = []
+            with self._lock:
+                self._admit()
+                prefill: list[tuple[_Request, int]] = []
+                budget = self.max_prefill_tokens
+                for req in self._prefilling:
+                    if budget <= 0:
+                        break
+                    n = min(len(req.prompt) - req.prefilled, budget)
+                    prefill.append((req, n))
+                    budget -= n
+                # decode rows ordered by adapter slot: rows of one adapter sit together and a run of
+                # consecutive slots is read from the stacks as a view instead of a gathered copy
+                decode = sorted(self._running, key=lambda r: r.slot)
+                if not prefill and not decode:
+                    return False
+                seqs = [(r.prompt[r.prefilled : r.prefilled + n], r.prefilled, r.blocks) for r, n in prefill]
+                seqs += [([r.out[-1]], len(r.prompt) + len(r.out) - 1, r.blocks) for r in decode]
+                slots = [r.slot for r, n in prefill for _ in range(n)] + [r.slot for r in decode]
+                batch_reqs = [r for r, _ in prefill] + decode
+                self._in_forward = {r.id for r in batch_reqs}
+            try:
+                batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
+                                         decode_from=len(prefill))
+                if self.lora is not None:
+                    batch.lora = self.lora.prepare(slots, prefill=bool(prefill))
+                logits = self.runner.forward(batch, self.kv)
+                # rows that produce a token: decode rows, and prefill rows whose prompt is complete
+                pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.prompt)]
+                pick += range(len(prefill), len(batch_reqs))
+                sreqs = [batch_reqs[i] for i in pick]
+                tokens = sample(logits[pick], [r.params for r in sreqs], [r.gen for r in sreqs]) if pick else []
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed; failing %d requests", len(batch_reqs))
+                with self._lock:
+                    self._in_forward = set()
+                    for r in batch_reqs:
+                        if r.id in self._requests:
+                            self._finish(r, None, "cancelled" if r.cancelled else "error", events,
+                                         error=None if r.cancelled else f"{type(e).__name__}: {e}")
+                    self._cond.notify_all()
+                self._dispatch(events)
+                return True
+            with self._lock:
+                self._in_forward = set()
+                self._steps += 1
+                for r, n in prefill:
+                    r.prefilled += n
+                    self._prompt_total += n
+                    if r.cancelled:
+                        self._finish(r, None, "cancelled", events)
+                    elif r.prefilled == len(r.prompt):
+                        self._prefilling.remove(r)
+                        self._running.append(r)
+                for r in decode:
+                    if r.cancelled:
+                        self._finish(r, None, "cancelled", events)
+                for r, tok in zip(sreqs, tokens):
+                    if r.id in self._requests and not r.cancelled:
+                        self._on_token(r, tok, events)
+                self._cond.notify_all()
+        self._dispatch(events)
+        return True
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
+            req = self._waiting[0]
+            blocks = self.kv.allocate(len(req.prompt) + req.params.max_tokens)
+            if blocks is None:
+                break  # the cache is full: wait for a request to finish (first come, first served)
+            self._waiting.popleft()
+            req.blocks = blocks
+            self._prefilling.append(req)
+
+    def _on_token(self, r: _Request, tok: int, events: list) -> None:
+        r.out.append(tok)
+        self._gen_total += 1
+        p = r.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            self._finish(r, tok, "stop", events)
+            return
+        r.text += self._detok(r)
+        if r.max_stop:
+            start = max(0, r.emitted - r.max_stop)
+            hits = [i for i in (r.text.find(s, start) for s in p.stop) if i >= 0]
+            if hits:
+                r.text = r.text[: min(hits)]
+                self._finish(r, tok, "stop", events)
+                return
+        if len(r.out) >= p.max_tokens:
+            self._finish(r, tok, "length", events)
+            return
+        upto = len(r.text) - (r.max_stop - 1 if r.max_stop else 0)
+        delta = ""
+        if upto > r.emitted:
+            delta = r.text[r.emitted : upto]
+            r.emitted = upto
+        events.append((r, TokenEvent(r.id, tok, delta, False, None, len(r.prompt), len(r.out))))
+
+    def _detok(self, r: _Request) -> str:
+        """Incremental detokenization: new text once it no longer ends in a partial character."""
+        ids = r.out
+        dec = self._backend.decode if self._backend is not None else (
+            lambda x, skip_special_tokens: self.tokenizer.decode(x, skip_special_tokens=skip_special_tokens))
+        prefix = dec(ids[r.prefix_off : r.read_off], skip_special_tokens=True) if r.read_off > r.prefix_off else ""
+        full = dec(ids[r.prefix_off :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            r.prefix_off, r.read_off = r.read_off, len(ids)
+            return full[len(prefix) :]
+        return ""
+
+    def _finish(self, r: _Request, tok: int | None, reason: str, events: list, error: str | None = None) -> None:
+        """Remove a request everywhere, free its cache and adapter reference, queue its final event."""
+        self._requests.pop(r.id, None)
+        if r in self._prefilling:
+            self._prefilling.remove(r)
+        elif r in self._running:
+            self._running.remove(r)
+        if r.blocks is not None:
+            self.kv.free(r.blocks)
+            r.blocks = None
+        if r.adapter_id is not None and r.adapter_id in self._adapters:
+            self._adapters[r.adapter_id].refs -= 1
+        delta = r.text[r.emitted :] if reason in ("stop", "length") else ""
+        r.emitted = len(r.text)
+        events.append((r, TokenEvent(r.id, tok, delta, True, reason, len(r.prompt), len(r.out), error)))
+
+    @staticmethod
+    def _dispatch(events: list[tuple[_Request, TokenEvent]]) -> None:
+        for r, ev in events:
+            if r.on_event is None:
+                continue
+            try:
+                r.on_event(ev)
+            except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
+                log.exception("on_event callback failed for request %s", ev.request_id)
+
+    # ------------------------------------------------------------------------------- thread
+
+    def start(self) -> None:
+        """Run `step()` on a background daemon thread until `stop()`."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._loop, name="lorafarm-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the background thread (after its current step). Queued requests stay queued."""
+        self._stopping.set()
+        with self._lock:
+            self._cond.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        with self._lock:
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                worked = self.step()
+            except Exception:  # noqa: BLE001
+                log.exception("engine loop step failed")
+                worked = False
+            if not worked:
+                with self._lock:
+                    if not self._stopping.is_set():
+                        self._cond.wait(timeout=0.05)

@@ -1,0 +1,506 @@
+"""`LoraHandler`: the replica's model handler, with TorchServe's lifecycle.
+
+    handler = LoraHandler()
+    handler.initialize(context)          # load the base, hash it, start the engine thread
+    await handler.start()                # adapter cache (disk scan, thread pools)
+    greq = await handler.preprocess("chat", body)      # validate, resolve model, tokenize, limits
+    gen = await handler.inference(greq)                # take the adapter (load if cold), submit
+    async for delta in gen: ...                        # text deltas as the engine produces them
+    resp = await handler.postprocess(greq, gen)        # OpenAI response object (non-streaming)
+    [resp] = await handler.handle([body], context)     # all of the above for a batch of bodies
+
+`HandlerContext` carries what TorchServe's context does (model dir, device, limits) plus the
+metrics and cache settings. The HTTP app (`handler.app`) drives the same steps and adds streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import torch
+
+from handler import openai_schemas as oai
+from handler.cache import AdapterCache, AdapterLoadError, AdapterNotFoundError, AdapterSource
+from handler.metrics import ReplicaMetrics, RequestTimer
+
+log = logging.getLogger("lorafarm.replica")
+reqlog = logging.getLogger("lorafarm.replica.requests")
+
+DEFAULT_RANK_POOLS = (8, 16, 32, 64)
+
+
+@dataclass
+class Limits:
+    """Request and resource limits of one replica."""
+
+    max_body_bytes: int = 1024 * 1024  # request body cap (413 above)
+    max_waiting: int = 256  # requests waiting for an adapter or a batch place (429 above)
+    default_max_tokens: int = 512  # chat default when the client sends no max_tokens
+    rank_limit: int = 64  # the fleet's rank limit: larger adapters are refused at load
+    max_batch: int = 32
+    max_prefill_tokens: int = 512
+    cancel_grace_s: float = 5.0  # after a cancel, how long to wait for the engine to let go
+    load_timeout_s: float = 30.0  # the load endpoint answers 202 (still loading) after this
+
+
+@dataclass
+class HandlerContext:
+    """What `initialize` needs: TorchServe's context (model dir, device, limits, metrics) plus the
+    cache configuration."""
+
+    model_dir: Path
+    model_name: str
+    replica_id: str = "r0"
+    device: str | None = None
+    dtype: torch.dtype = torch.float32
+    limits: Limits = field(default_factory=Limits)
+    metrics: ReplicaMetrics | None = None
+    slots: int = 8  # device slots per rank pool
+    rank_pools: dict[int, int] | None = None  # overrides `slots`: {pool rank: slots}
+    kv_cache_bytes: int | None = None
+    disk_dir: Path = Path("var/replica")
+    ram_bytes: int = 4 * 1024**3
+    disk_bytes: int = 32 * 1024**3
+    trusted_keys: list = field(default_factory=list)
+    source: AdapterSource | None = None
+    merged_adapter: str | None = None  # adapter id merged into the base weights (merged mode)
+    merged_adapter_dir: Path | None = None  # its verified PEFT folder (set by the app)
+
+
+@dataclass
+class GenerationRequest:
+    kind: str  # "chat" | "completion"
+    body: Any  # the validated OpenAI request
+    model: str  # as the client named it
+    adapter_id: str | None  # None: the base (or merged) model
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    tier: str  # where the adapter was when the request arrived
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    response_id: str = ""
+    created: int = 0
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One request in flight: an async iterator of `Delta`s; `usage` and `finish_reason` are set
+    once it ends. Closing it early (`aclose`, or the HTTP client going away) cancels the request."""
+
+    def __init__(self, handler: LoraHandler, greq: GenerationRequest, timer: RequestTimer):
+        self.h = handler
+        self.greq = greq
+        self.timer = timer
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = len(greq.prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.text_parts: list[str] = []
+        self._done = False  # the engine reported the end (or we stopped listening)
+        self._released = False
+
+    # called on the engine thread: must not block
+    def _on_event(self, ev) -> None:
+        try:
+            self.h._loop.call_soon_threadsafe(self._deliver, ev)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _deliver(self, ev) -> None:
+        """On the loop: queue the event for the consumer; on the engine's final event drop the adapter
+        reference at once, whether or not anyone still reads this generation."""
+        self.queue.put_nowait(ev)
+        if ev.finished or getattr(ev, "error", None):
+            self._release()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Delta]:
+        try:
+            while not self._done:
+                ev = await self.queue.get()
+                if getattr(ev, "error", None):
+                    self._done = True
+                    self._finish(ev, "error")
+                    self._release()
+                    raise oai.OpenAIError(500, f"generation failed: {ev.error}", type="server_error",
+                                          code="generation_error")
+                text = ev.text or ""
+                if ev.token_id is not None and ev.token_id >= 0:
+                    self.timer.on_token()
+                if ev.completion_tokens is not None:
+                    self.completion_tokens = ev.completion_tokens
+                if ev.prompt_tokens:
+                    self.prompt_tokens = ev.prompt_tokens
+                out = text  # the engine applies stop strings (and holds back partial matches)
+                if ev.finished:
+                    self._done = True
+                    self._finish(ev, ev.finish_reason or "stop")
+                    self._release()
+                    if out:
+                        self.text_parts.append(out)
+                        yield Delta(out)
+                    yield Delta("", self.finish_reason)
+                    return
+                if out:
+                    self.text_parts.append(out)
+                    yield Delta(out)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop caring about this request (the client went away or the consumer stopped early):
+        cancel it in the engine and drop the adapter reference once the engine let go. No-op when it
+        already ended. Synchronous, so it is safe in `finally` blocks under cancellation."""
+        if self._done:
+            return
+        self._done = True
+        self.h.engine.cancel(self.greq.request_id)
+        self.finish_reason = self.finish_reason or "cancelled"
+        self.timer.on_finish("cancelled", self.prompt_tokens, self.completion_tokens)
+        self._log()
+        self._release_after_engine_end()
+
+    def _finish(self, ev, reason: str) -> None:
+        self.finish_reason = reason if reason in ("stop", "length", "cancelled", "error") else "stop"
+        self.timer.on_finish(self.finish_reason, self.prompt_tokens, self.completion_tokens)
+        self._log()
+
+    def _log(self) -> None:
+        """One line per request: the adapter id is logged on every request (isolation audits)."""
+        t = self.timer
+        ttft = f"{(t.first_token - t.arrival) * 1000:.1f}ms" if t.first_token else "-"
+        reqlog.info("request %s model=%s adapter=%s tier=%s prompt=%d completion=%d finish=%s ttft=%s e2e=%.1fms",
+                    self.greq.request_id, self.greq.model, self.greq.adapter_id or "-", self.greq.tier,
+                    self.prompt_tokens, self.completion_tokens, self.finish_reason,
+                    ttft, (time.perf_counter() - t.arrival) * 1000)
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.h._inflight.pop(self.greq.request_id, None)
+        if self.h._uses_cache(self.greq):
+            self.h.cache.release(self.greq.adapter_id)
+
+    def _release_after_engine_end(self) -> None:
+        """After a cancel the engine may run the row for one more step: the reference is dropped on the
+        engine's final event (`_deliver`); this is only the fallback should that event never come."""
+
+        async def fallback():
+            await asyncio.sleep(self.h.context.limits.cancel_grace_s)
+            if not self._released:
+                log.warning("no final event for cancelled request %s: releasing its adapter", self.greq.request_id)
+                self._release()
+
+        if not self._released:
+            self.h._bg(fallback)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class LoraHandler:
+    """TorchServe-style handler of one replica: base model + engine + tiered adapter cache."""
+
+    def __init__(self):
+        self.initialized = False
+        self.context: HandlerContext | None = None
+        self.engine = None
+        self.cache: AdapterCache | None = None
+        self.metrics: ReplicaMetrics | None = None
+        self.base_model_hash = ""
+        self.base_config: dict = {}
+        self.models: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: dict[str, Generation] = {}
+        self._waiting_for_adapter = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._ids = itertools.count()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def initialize(self, context: HandlerContext) -> None:
+        """Load the base (and merge an adapter into it in merged mode), hash it, start the engine."""
+        from archives.basehash import base_model_hash, read_base_config
+        from handler.engine import Engine
+
+        self.context = context
+        self.metrics = context.metrics or ReplicaMetrics(context.replica_id, context.model_name)
+        context.metrics = self.metrics
+        self.base_config = read_base_config(context.model_dir)
+        self.base_model_hash = base_model_hash(context.model_dir)
+        pools = context.rank_pools or {r: context.slots for r in DEFAULT_RANK_POOLS if r <= context.limits.rank_limit}
+        if not pools:
+            pools = {context.limits.rank_limit: context.slots}
+        kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
+                                  rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens)
+        if context.kv_cache_bytes:
+            kw["kv_cache_bytes"] = context.kv_cache_bytes
+        if context.merged_adapter:
+            kw["merged_adapter"] = self._merged_adapter(context)
+            kw.pop("rank_pools")
+        self.engine = Engine(context.model_dir, **kw)
+        if context.merged_adapter:
+            self.models = [context.merged_adapter]
+        else:
+            self.models = [context.model_name]
+        self.engine.start()
+        self.initialized = True
+        log.info("replica %s: base %s (%s), %s", context.replica_id, context.model_name, self.base_model_hash,
+                 f"merged adapter {context.merged_adapter}" if context.merged_adapter else f"rank pools {pools}")
+
+    def _merged_adapter(self, context: HandlerContext):
+        """Merged mode: the verified adapter folder (fetched and verified by the app) -> MergedAdapter,
+        its tensors checked against the base's shapes first."""
+        import json
+
+        from safetensors.torch import load_file
+
+        from handler.cache import check_adapter_tensors
+        from handler.merge import MergedAdapter
+
+        d = context.merged_adapter_dir
+        if d is None:
+            raise RuntimeError("merged mode needs the verified adapter folder")
+        man = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        rank = int(man.get("rank") or cfg["r"])
+        alpha = float(man.get("alpha") or cfg.get("lora_alpha", rank))
+        modules = list(man.get("target_modules") or cfg["target_modules"])
+        weights = load_file(str(d / "adapter_model.safetensors"))
+        check_adapter_tensors(context.merged_adapter, weights, rank=rank, target_modules=modules,
+                              config=self.base_config)
+        return MergedAdapter(context.merged_adapter, weights, rank, alpha, modules)
+
+    async def start(self) -> None:
+        """Async part of start-up (on the serving loop): the adapter cache."""
+        ctx = self.context
+        assert ctx is not None and self.engine is not None
+        self._loop = asyncio.get_running_loop()
+        self.cache = AdapterCache(
+            self.engine, base_config=self.base_config, base_model_hash=self.base_model_hash,
+            trusted_keys=ctx.trusted_keys, source=ctx.source, disk_dir=ctx.disk_dir,
+            ram_bytes=ctx.ram_bytes, disk_bytes=ctx.disk_bytes, rank_limit=ctx.limits.rank_limit,
+            metrics=self.metrics, dtype=None,  # kept as stored; the engine casts on mount
+            pin_memory=str(getattr(self.engine, "device", "cpu")).startswith("cuda"),
+        )
+        await self.cache.start()
+
+    async def shutdown(self) -> None:
+        for gen in list(self._inflight.values()):
+            self.engine.cancel(gen.greq.request_id)
+        for t in list(self._tasks):
+            t.cancel()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self.cache is not None:
+            await self.cache.close()
+
+    def _bg(self, coro_fn) -> None:
+        """Run `coro_fn()` as a task on the serving loop (from any thread)."""
+
+        def spawn():
+            t = self._loop.create_task(coro_fn())
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            spawn()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(spawn)
+
+    # -- TorchServe steps -------------------------------------------------------------------
+
+    async def preprocess(self, kind: str, body: bytes | dict | Any) -> GenerationRequest:
+        """Validate the body, resolve the model (404 when unknown), tokenize, check the limits."""
+        model_cls = oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest
+        req = body if isinstance(body, model_cls) else oai.parse_request(model_cls, body)
+        adapter_id = await self.resolve_model(req.model)
+        tier = "gpu" if (adapter_id is None or self.context.merged_adapter) else self.cache.tier_of(adapter_id)
+        prompt_ids = self._tokenize(kind, req)
+        max_ctx = int(self.engine.max_context)
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise oai.bad_request("The prompt is empty.", param="prompt", code="invalid_value")
+        if n_prompt >= max_ctx:
+            raise oai.bad_request(
+                f"This model's maximum context length is {max_ctx} tokens. However, your prompt has "
+                f"{n_prompt} tokens.", param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded")
+        if req.max_tokens is None:
+            max_tokens = min(self.context.limits.default_max_tokens, max_ctx - n_prompt)
+        else:
+            max_tokens = req.max_tokens
+            if n_prompt + max_tokens > max_ctx:
+                raise oai.bad_request(
+                    f"This model's maximum context length is {max_ctx} tokens. However, you requested "
+                    f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+                    f"completion). Please reduce the length of the prompt or max_tokens.",
+                    param="max_tokens", code="context_length_exceeded")
+        rid = f"{self.context.replica_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        return GenerationRequest(
+            kind=kind, body=req, model=req.model, adapter_id=adapter_id, prompt_ids=prompt_ids,
+            max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
+            tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now())
+
+    async def resolve_model(self, model: str) -> str | None:
+        """A base model name -> None; a known adapter id (in merged mode: only the merged one) ->
+        itself; anything else -> 404 model_not_found."""
+        if self.context.merged_adapter:
+            if model == self.context.merged_adapter:
+                return model
+            raise oai.model_not_found(model)
+        if model in self.models:
+            return None
+        try:
+            known = await self.cache.exists(model)
+        except AdapterNotFoundError:
+            known = False
+        except Exception as e:  # the registry is down: local tiers still answer
+            log.warning("adapter lookup of %s failed: %s", model, e)
+            raise oai.OpenAIError(503, f"cannot look up adapter {model}: {e}", type="server_error",
+                                  code="registry_unavailable") from None
+        if not known:
+            raise oai.model_not_found(model)
+        return model
+
+    def _tokenize(self, kind: str, req) -> list[int]:
+        tok = self.engine.tokenizer
+        if kind == "chat":
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:
+                raise oai.bad_request(f"The messages cannot be formatted with the chat template: {e}",
+                                      param="messages") from None
+            return list(tok.encode(text, add_special_tokens=False))
+        ids = req.prompt_token_ids()
+        if ids is not None:
+            vocab = int(getattr(self.engine.config, "vocab_size", 0) or 0)
+            if vocab and any(i < 0 or i >= vocab for i in ids):
+                raise oai.bad_request("prompt token ids out of the vocabulary", param="prompt")
+            return ids
+        return list(tok.encode(req.prompt_text(), add_special_tokens=True))
+
+    def _uses_cache(self, greq: GenerationRequest) -> bool:
+        return greq.adapter_id is not None and not self.context.merged_adapter
+
+    def check_capacity(self) -> None:
+        """The waiting-queue cap: 429 when too many requests already wait."""
+        if self.waiting() >= self.context.limits.max_waiting:
+            raise oai.OpenAIError(429, "The replica's waiting queue is full; retry shortly.",
+                                  type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+    def waiting(self) -> int:
+        return self._waiting_for_adapter + int(self.engine.stats().waiting)
+
+    async def inference(self, greq: GenerationRequest) -> Generation:
+        """Take the adapter (loading it if cold: only this request's adapter is waited for) and submit
+        the request to the engine. Raises OpenAIError when the adapter cannot be loaded."""
+        from handler.engine import SamplingParams
+
+        timer = RequestTimer(self.metrics, greq.tier)
+        if self._uses_cache(greq):
+            self._waiting_for_adapter += 1
+            try:
+                await self.cache.acquire(greq.adapter_id)
+            except AdapterNotFoundError:
+                raise oai.model_not_found(greq.model) from None
+            except AdapterLoadError as e:
+                raise load_error_to_openai(e) from None
+            finally:
+                self._waiting_for_adapter -= 1
+        gen = Generation(self, greq, timer)
+        body = greq.body
+        temperature = float(body.temperature)
+        params = SamplingParams(max_tokens=greq.max_tokens, temperature=temperature, top_p=float(body.top_p),
+                                seed=body.seed, stop=tuple(greq.stop), ignore_eos=bool(body.ignore_eos))
+        self._inflight[greq.request_id] = gen
+        try:
+            self.engine.add_request(greq.request_id, greq.prompt_ids, params, greq.adapter_id, gen._on_event)
+        except Exception as e:
+            gen._done = True
+            gen._release()
+            from handler.engine import InvalidRequestError
+
+            if isinstance(e, InvalidRequestError):
+                raise oai.bad_request(str(e), code="invalid_request") from None
+            raise oai.OpenAIError(503, f"the engine refused the request: {e}", type="server_error",
+                                  code="engine_unavailable") from None
+        timer.on_scheduled()
+        return gen
+
+    async def postprocess(self, greq: GenerationRequest, gen: Generation) -> dict:
+        """Drain a generation into an OpenAI (chat) completion object."""
+        async for _ in gen:
+            pass
+        build = oai.chat_completion if greq.kind == "chat" else oai.completion
+        return build(greq.response_id, greq.model, gen.text, gen.finish_reason or "stop",
+                     gen.prompt_tokens, gen.completion_tokens, created=greq.created)
+
+    async def handle(self, data: list[dict], context: Any = None, kind: str = "chat") -> list[dict]:
+        """TorchServe's entry point: a batch of request bodies -> a list of responses (errors become
+        OpenAI error objects in their place, so one bad request never fails the batch)."""
+
+        async def one(body):
+            try:
+                greq = await self.preprocess(kind, body)
+                gen = await self.inference(greq)
+                return await self.postprocess(greq, gen)
+            except oai.OpenAIError as e:
+                return e.body()
+
+        return list(await asyncio.gather(*(one(b) for b in data)))
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state(self):
+        from lorafarm.schemas import ReplicaState
+
+        st = self.engine.stats()
+        merged = self.context.merged_adapter
+        return ReplicaState(
+            replica_id=self.context.replica_id, base_model_hash=self.base_model_hash, models=list(self.models),
+            gpu_adapters=[merged] if merged else self.cache.gpu_adapters(),
+            ram_adapters=[] if merged else self.cache.ram_adapters(),
+            queue_depth=self.waiting(), running=int(st.running), tokens_in_flight=int(st.tokens_in_flight),
+            evictions_per_min=self.metrics.evictions_per_min(), loads_per_min=self.metrics.loads_per_min(),
+            kv_cache_usage=float(st.kv_cache_usage))
+
+    def refresh_gauges(self) -> None:
+        st = self.engine.stats()
+        self.metrics.num_requests_running.set(st.running)
+        self.metrics.num_requests_waiting.set(self.waiting())
+        self.metrics.kv_cache_usage_perc.set(st.kv_cache_usage)
+
+
+def load_error_to_openai(e: AdapterLoadError) -> oai.OpenAIError:
+    """A refused or failed adapter load, as an OpenAI error: 422 when the adapter itself is refused
+    (verification), 503 when the failure may be transient (store, network)."""
+    refused = e.code in ("bad_signature", "checksum_mismatch", "base_mismatch", "rank_limit",
+                         "invalid_adapter", "unsafe_archive", "corrupt_archive", "invalid_archive")
+    status = 422 if refused else 503
+    return oai.OpenAIError(status, str(e), type="invalid_request_error" if refused else "server_error",
+                           param="model", code=f"adapter_{e.code}")

@@ -1,0 +1,102 @@
+"""Paged KV cache, preallocated from a byte budget.
+
+Bytes per token follow the seed's arithmetic: 2 (K and V) x layers x kv_heads x head_dim x bytes
+per value. The budget buys `num_blocks` blocks of `block_size` tokens each, allocated once:
+
+    k, v: [layers, num_blocks, block_size, kv_heads, head_dim]
+
+A sequence owns a list of blocks (its block table). The engine reserves every block a request
+can ever need (prompt + max_tokens) when it admits the request, so a running request never runs
+out of cache and nothing has to be preempted; a request that does not fit waits in the queue.
+Blocks return to the free list the moment their request finishes or is cancelled.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget is smaller than one block")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """2 x layers x kv_heads x head_dim x bytes per value."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    @classmethod
+    def from_budget(cls, config, budget_bytes: int, dtype: torch.dtype, device, block_size: int = 16) -> "KVCache":
+        """As many blocks as `budget_bytes` holds for this model config (a `ModelConfig`)."""
+        per_token = cls.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        num_blocks = int(budget_bytes) // (per_token * block_size)
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device)
+
+    @classmethod
+    def for_blocks(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> "KVCache":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device)
+
+    # -- accounting
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_allocate(self, tokens: int) -> bool:
+        return self.blocks_for(tokens) <= len(self._free)
+
+    def allocate(self, tokens: int) -> list[int] | None:
+        """Reserve the blocks for `tokens` tokens; None (and nothing reserved) when they do not fit."""
+        n = self.blocks_for(tokens)
+        with self._lock:
+            if n > len(self._free):
+                return None
+            return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(blocks))
+
+    def usage(self) -> float:
+        """Fraction of blocks reserved, 0.0 to 1.0."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    # -- data path
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at flat slots (block * block_size + offset)."""
+        self.k[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.v[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the sequences in `block_tables` [B, nb]: each [B, kv_heads, nb*bs, D]."""
+        B, nb = block_tables.shape
+        k = self.k[layer][block_tables].view(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        v = self.v[layer][block_tables].view(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)

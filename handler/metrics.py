@@ -1,0 +1,195 @@
+"""Replica metrics: Prometheus collectors named like vLLM's under a `lorafarm_` prefix, and the
+per-minute rates (loads, evictions) the replica reports to the router.
+
+Each `ReplicaMetrics` owns its own `CollectorRegistry`, so several replicas (or test apps) in one
+process never collide on the global registry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+try:  # no `_created` series: they double the exposition size and nothing here reads them
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+except ImportError:  # pragma: no cover - older prometheus-client
+    pass
+
+TIERS = ("gpu", "ram", "disk", "remote")
+
+# Buckets as in vLLM's TTFT / ITL / e2e histograms (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RateWindow:
+    """Events in a sliding window (default 60 s): `per_minute()` is the count over the last minute.
+    Thread-safe; memory is bounded by the event rate times the window."""
+
+    def __init__(self, window_s: float = 60.0, clock=time.monotonic):
+        self.window_s = window_s
+        self._clock = clock
+        self._events: deque[float] = deque()
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def add(self, n: int = 1) -> None:
+        now = self._clock()
+        with self._lock:
+            for _ in range(n):
+                self._events.append(now)
+            self.total += n
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        cut = now - self.window_s
+        while self._events and self._events[0] < cut:
+            self._events.popleft()
+
+    def count(self) -> int:
+        with self._lock:
+            self._trim(self._clock())
+            return len(self._events)
+
+    def per_minute(self) -> float:
+        return self.count() * 60.0 / self.window_s
+
+
+class ReplicaMetrics:
+    """Every collector the replica exports. Labels: `tier` is where the request's adapter was when the
+    request arrived (gpu | ram | disk | remote, `gpu` for base-model requests)."""
+
+    def __init__(self, replica_id: str = "r0", model_name: str = ""):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.replica_id = replica_id
+        self.time_to_first_token = Histogram(
+            "lorafarm_time_to_first_token_seconds", "Time to first token (arrival to first token).",
+            ["tier"], buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "lorafarm_inter_token_latency_seconds", "Time between consecutive output tokens.",
+            ["tier"], buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "lorafarm_e2e_request_latency_seconds", "Arrival to last token.",
+            ["tier"], buckets=E2E_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
+            "lorafarm_request_queue_time_seconds",
+            "Arrival until the request is handed to the engine (adapter load + queue).",
+            ["tier"], buckets=TTFT_BUCKETS, registry=r)
+        self.requests = Counter(
+            "lorafarm_requests", "Finished requests by tier and finish reason.",
+            ["tier", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("lorafarm_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("lorafarm_generation_tokens", "Tokens generated.", registry=r)
+        self.num_requests_running = Gauge(
+            "lorafarm_num_requests_running", "Requests in the running batch.", registry=r)
+        self.num_requests_waiting = Gauge(
+            "lorafarm_num_requests_waiting",
+            "Requests waiting: for their adapter to load or for room in the batch.", registry=r)
+        self.kv_cache_usage_perc = Gauge(
+            "lorafarm_kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).", registry=r)
+        self.adapter_slot_hits = Counter(
+            "lorafarm_adapter_slot_hits", "Requests whose adapter was already in a device slot.", registry=r)
+        self.adapter_slot_misses = Counter(
+            "lorafarm_adapter_slot_misses", "Requests whose adapter had to be loaded into a slot.",
+            ["tier"], registry=r)
+        self.adapter_loads = Counter(
+            "lorafarm_adapter_loads", "Adapter loads into a device slot, by source tier and outcome.",
+            ["tier", "outcome"], registry=r)
+        self.adapter_load_latency = Histogram(
+            "lorafarm_adapter_load_seconds", "Adapter load latency into a device slot, by source tier.",
+            ["tier"], buckets=LOAD_BUCKETS, registry=r)
+        self.adapter_evictions = Counter(
+            "lorafarm_adapter_evictions", "Adapters evicted, by tier they were evicted from.",
+            ["tier"], registry=r)
+        self.adapters_resident = Gauge(
+            "lorafarm_adapters_resident", "Adapters held per tier.", ["tier"], registry=r)
+        self.tier_bytes = Gauge(
+            "lorafarm_adapter_tier_bytes", "Bytes held by the RAM and disk tiers.", ["tier"], registry=r)
+        self.loads_per_min_gauge = Gauge(
+            "lorafarm_adapter_loads_per_min", "Device-slot loads over the last minute.", registry=r)
+        self.evictions_per_min_gauge = Gauge(
+            "lorafarm_adapter_evictions_per_min", "Device-slot evictions over the last minute.", registry=r)
+        self.evicted_in_use = Counter(
+            "lorafarm_adapter_evictions_in_use",
+            "Evictions of an adapter that had running requests (must stay 0).", registry=r)
+        self.load_rate = RateWindow()
+        self.eviction_rate = RateWindow()
+        # pre-create label sets so dashboards see zeros rather than missing series
+        for t in TIERS:
+            self.adapter_evictions.labels(tier=t)
+            self.adapter_slot_misses.labels(tier=t)
+            for o in ("ok", "error"):
+                self.adapter_loads.labels(tier=t, outcome=o)
+
+    def record_load(self, tier: str, seconds: float, ok: bool) -> None:
+        self.adapter_loads.labels(tier=tier, outcome="ok" if ok else "error").inc()
+        if ok:
+            self.adapter_load_latency.labels(tier=tier).observe(seconds)
+            self.load_rate.add()
+
+    def record_eviction(self, tier: str, in_use: bool = False) -> None:
+        self.adapter_evictions.labels(tier=tier).inc()
+        if tier == "gpu":
+            self.eviction_rate.add()
+        if in_use:
+            self.evicted_in_use.inc()
+
+    def loads_per_min(self) -> float:
+        return self.load_rate.per_minute()
+
+    def evictions_per_min(self) -> float:
+        return self.eviction_rate.per_minute()
+
+    def render(self) -> bytes:
+        self.loads_per_min_gauge.set(self.loads_per_min())
+        self.evictions_per_min_gauge.set(self.evictions_per_min())
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request timestamps feeding the latency histograms."""
+
+    __slots__ = ("metrics", "tier", "arrival", "scheduled", "first_token", "last_token")
+
+    def __init__(self, metrics: ReplicaMetrics | None, tier: str):
+        self.metrics = metrics
+        self.tier = tier
+        self.arrival = time.perf_counter()
+        self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+    def on_scheduled(self) -> None:
+        self.scheduled = time.perf_counter()
+        if self.metrics:
+            self.metrics.request_queue_time.labels(tier=self.tier).observe(self.scheduled - self.arrival)
+
+    def on_token(self) -> None:
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+            if self.metrics:
+                self.metrics.time_to_first_token.labels(tier=self.tier).observe(now - self.arrival)
+        elif self.metrics and self.last_token is not None:
+            self.metrics.inter_token_latency.labels(tier=self.tier).observe(now - self.last_token)
+        self.last_token = now
+
+    def on_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if not self.metrics:
+            return
+        now = time.perf_counter()
+        self.metrics.e2e_request_latency.labels(tier=self.tier).observe(now - self.arrival)
+        self.metrics.requests.labels(tier=self.tier, finish_reason=finish_reason or "unknown").inc()
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(completion_tokens)

@@ -1,0 +1,534 @@
+"""The model runner: a compact Llama-family decoder in plain torch.
+
+Covers Llama (1/2/3), Mistral and Qwen2 style checkpoints: RMSNorm, rotary position embeddings
+with the config's theta and scaling, grouped-query attention (with optional sliding window),
+SwiGLU MLP, optional q/k/v (and o) biases, tied or untied output head. Weights are read from the
+Hugging Face safetensors layout by tensor name (single file or sharded with
+`model.safetensors.index.json`); transformers supplies only the config (and the tokenizer, in the
+engine).
+
+The forward pass works on a flat list of tokens from many sequences at once: every linear layer
+(and its batched LoRA delta, see `handler.lora`) runs once over all tokens of the step; only
+attention is per sequence, reading keys and values from the paged KV cache (`handler.kvcache`).
+A step may mix prefill chunks (many tokens of one sequence) and decode rows (one token each);
+each kind is an `AttnGroup` so decode rows are not padded to the prefill length.
+
+q/k/v and gate/up are fused into one weight each (one matmul instead of three or two); LoRA deltas
+are added into the matching output slice, so results equal the unfused model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# Module names as PEFT and Hugging Face spell them; the order of the fused slices.
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+LORA_MODULES = ATTN_MODULES + MLP_MODULES
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class ModelLoadError(Exception):
+    """The checkpoint folder is missing files, tensors, or has an unsupported architecture."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the runner needs from a Hugging Face `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_parameters: dict = field(default_factory=dict)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    # per layer: None (full attention) or the window length (keys with q_pos - key_pos < window)
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache per token in float32; multiply by itemsize/4 for other dtypes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(out_features d, in_features k) of a projection: W is [d, k]."""
+        h, i = self.hidden_size, self.intermediate_size
+        qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (qd, h),
+            "k_proj": (kvd, h),
+            "v_proj": (kvd, h),
+            "o_proj": (h, qd),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }[module]
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        """From a transformers config object (LlamaConfig, MistralConfig, Qwen2Config)."""
+        mt = getattr(hf, "model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(f"unsupported model_type {mt!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        if not rope:  # transformers 4.x spelling
+            rope = dict(getattr(hf, "rope_scaling", None) or {})
+            rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+        n = hf.num_hidden_layers
+        window = getattr(hf, "sliding_window", None)
+        layer_types = getattr(hf, "layer_types", None)
+        if mt == "qwen2" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        if window:
+            if layer_types:
+                windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+            else:
+                windows = (window,) * n
+        else:
+            windows = (None,) * n
+
+        if mt == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            model_type=mt,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            rope_theta=theta,
+            rope_parameters=rope,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            sliding_windows=windows,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+
+def load_hf_config(model_dir: str | Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards named by the index json, or the one file."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        if not names:
+            raise ModelLoadError(f"{index} has an empty weight_map")
+        for n in names:
+            if Path(n).name != n or n in (".", ".."):
+                raise ModelLoadError(f"{index.name} names a shard outside the folder: {n!r}")
+            if not (d / n).exists():
+                raise ModelLoadError(f"shard {n} named by {index.name} is missing")
+        return [d / n for n in names]
+    single = d / "model.safetensors"
+    if single.exists():
+        return [single]
+    any_st = sorted(d.glob("*.safetensors"))
+    if any_st:
+        return any_st
+    raise ModelLoadError(f"{d} holds no safetensors checkpoint (model.safetensors or an index json)")
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint by name (with any leading `model.` kept), cast to dtype/device."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                out[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- rope
+
+
+def rope_inv_freq(cfg: ModelConfig, hf_config: Any = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scaling factor for the config's RoPE type."""
+    rtype = cfg.rope_parameters.get("rope_type", "default")
+    dim = cfg.head_dim
+    if rtype == "default":
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    if rtype == "linear":
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv / float(cfg.rope_parameters["factor"]), 1.0
+    if rtype == "llama3":
+        p = cfg.rope_parameters
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old = float(p.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        lo_wavelen, hi_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > lo_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn, longrope, ...: the config-derived frequencies exactly as transformers computes them
+    if hf_config is None:
+        raise ModelLoadError(f"rope_type {rtype!r} needs the transformers config")
+    if rtype == "dynamic":
+        log.warning("dynamic NTK RoPE: frequencies fixed at the base length (no rescaling past it)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rtype not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"unsupported rope_type {rtype!r}")
+    inv, factor = ROPE_INIT_FUNCTIONS[rtype](hf_config, torch.device("cpu"))
+    return inv.float(), float(factor)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as the Hugging Face Llama does."""
+    dt = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dt)
+
+
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+# --------------------------------------------------------------------------------- batch metadata
+
+
+@dataclass
+class AttnGroup:
+    """Sequences of one step whose query tokens are attended together.
+
+    Tokens of the group occupy the contiguous range [start, end) of the step's flat token list.
+    `pad_index` [B, L] maps (sequence, query position) to a flat token index (-1 if padding) or is
+    None when every sequence has exactly one query token (decode) in order.
+    """
+
+    start: int
+    end: int
+    num_seqs: int
+    max_q: int
+    pad_index: torch.Tensor | None  # [B, L] long, relative to start; padding -> 0 (masked out)
+    pad_valid: torch.Tensor | None  # [B*L] bool
+    block_tables: torch.Tensor  # [B, nb] long
+    masks: dict  # window (None or int) -> bool mask [B, 1, L, nb*block_size]
+
+
+@dataclass
+class StepBatch:
+    """Everything the forward pass needs for one step, built once and shared by all layers."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    cache_slots: torch.Tensor  # [T] flat cache index block*block_size + offset
+    groups: list[AttnGroup]
+    logits_index: torch.Tensor | None  # [R] flat token indices whose logits are wanted (None: all)
+    lora: Any = None  # handler.lora.LoRABatch or None
+
+
+def build_step_batch(
+    seqs: list[tuple[list[int], int, list[int]]],
+    block_size: int,
+    device: torch.device,
+    windows: set,
+    decode_from: int | None = None,
+    all_logits: bool = False,
+) -> StepBatch:
+    """Metadata for one forward over `seqs` = [(new token ids, start position, block table)].
+
+    Sequences at index >= `decode_from` carry exactly one token each and form the decode group;
+    the ones before form the prefill group. Logits are computed for the last token of each sequence
+    (or for every token with all_logits).
+    """
+    n = len(seqs)
+    decode_from = n if decode_from is None else decode_from
+    tok: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    for ids, start, table in seqs:
+        for j, t in enumerate(ids):
+            p = start + j
+            tok.append(t)
+            pos.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        last.append(len(tok) - 1)
+
+    groups = []
+    cursor = 0
+    for lo, hi in ((0, decode_from), (decode_from, n)):
+        if hi <= lo:
+            continue
+        part = seqs[lo:hi]
+        qlens = [len(s[0]) for s in part]
+        ntok = sum(qlens)
+        L = max(qlens)
+        ctx = max(s[1] + len(s[0]) for s in part)
+        nb = max(1, -(-ctx // block_size))
+        tables = torch.zeros((len(part), nb), dtype=torch.long)
+        qpos = torch.zeros((len(part), L), dtype=torch.long)
+        for b, (ids, start, table) in enumerate(part):
+            used = -(-(start + len(ids)) // block_size)
+            tables[b, :used] = torch.tensor(table[:used], dtype=torch.long)
+            qpos[b, : len(ids)] = torch.arange(start, start + len(ids))
+        if all(q == 1 for q in qlens):
+            pad_index = pad_valid = None
+        else:
+            pad_index = torch.zeros((len(part), L), dtype=torch.long)
+            valid = torch.zeros((len(part), L), dtype=torch.bool)
+            off = 0
+            for b, q in enumerate(qlens):
+                pad_index[b, :q] = torch.arange(off, off + q)
+                valid[b, :q] = True
+                off += q
+            pad_index, pad_valid = pad_index.to(device), valid.view(-1).to(device)
+        kpos = torch.arange(nb * block_size)
+        causal = kpos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # padded queries sit at pos 0: key 0 only
+        masks = {}
+        for w in windows:
+            m = causal if w is None else causal & (kpos.view(1, 1, -1) > qpos.unsqueeze(-1) - w)
+            masks[w] = m.unsqueeze(1).to(device)
+        groups.append(
+            AttnGroup(cursor, cursor + ntok, len(part), L, pad_index, pad_valid, tables.to(device), masks)
+        )
+        cursor += ntok
+    return StepBatch(
+        token_ids=torch.tensor(tok, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        cache_slots=torch.tensor(slots, dtype=torch.long, device=device),
+        groups=groups,
+        logits_index=None if all_logits else torch.tensor(last, dtype=torch.long, device=device),
+    )
+
+
+# ------------------------------------------------------------------------------------------ runner
+
+
+class LayerWeights:
+    __slots__ = ("in_norm", "post_norm", "qkv", "qkv_b", "o", "o_b", "gate_up", "gate_up_b", "down", "down_b")
+
+
+class Runner:
+    """Loads a checkpoint and runs forward passes over a `StepBatch` with a `KVCache`.
+
+    `lora` (a `handler.lora.ModelLoRA`, optional) adds the batched multi-adapter deltas; the
+    engine creates it. Without it the runner is the plain base (or merged) model.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        self.model_dir = Path(model_dir)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.hf_config = load_hf_config(self.model_dir)
+        self.config = ModelConfig.from_hf(self.hf_config)
+        self.lora = None
+        self._load(load_weights(self.model_dir, dtype, self.device))
+        inv, scale = rope_inv_freq(self.config, self.hf_config)
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scale).to(self.device, dtype)
+        self.sin = (emb.sin() * scale).to(self.device, dtype)
+        self.windows = set(self.config.sliding_windows) | {None}
+
+    # -- loading
+    def _load(self, w: dict[str, torch.Tensor]) -> None:
+        cfg = self.config
+        if not any(k.startswith("model.") for k in w):
+            w = {("model." + k if not k.startswith("lm_head") else k): v for k, v in w.items()}
+
+        def take(name: str, shape: tuple[int, ...] | None = None, required: bool = True):
+            t = w.get(name)
+            if t is None:
+                if required:
+                    raise ModelLoadError(f"tensor {name} missing from {self.model_dir}")
+                return None
+            if shape is not None and tuple(t.shape) != shape:
+                raise ModelLoadError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        self.embed = take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.norm = take("model.norm.weight", (cfg.hidden_size,))
+        head = take("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), required=not cfg.tie_word_embeddings)
+        self.lm_head = head if head is not None else self.embed
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            L = LayerWeights()
+            L.in_norm = take(p + "input_layernorm.weight", (cfg.hidden_size,))
+            L.post_norm = take(p + "post_attention_layernorm.weight", (cfg.hidden_size,))
+            qkv = [take(p + f"self_attn.{m}.weight", cfg.module_shape(m)) for m in ("q_proj", "k_proj", "v_proj")]
+            L.qkv = torch.cat(qkv, 0).contiguous()
+            if cfg.qkv_bias:
+                L.qkv_b = torch.cat([take(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]).contiguous()
+            else:
+                L.qkv_b = None
+            L.o = take(p + "self_attn.o_proj.weight", cfg.module_shape("o_proj"))
+            L.o_b = take(p + "self_attn.o_proj.bias") if cfg.o_bias else None
+            gu = [take(p + f"mlp.{m}.weight", cfg.module_shape(m)) for m in ("gate_proj", "up_proj")]
+            L.gate_up = torch.cat(gu, 0).contiguous()
+            L.gate_up_b = (
+                torch.cat([take(p + f"mlp.{m}.bias") for m in ("gate_proj", "up_proj")]) if cfg.mlp_bias else None
+            )
+            L.down = take(p + "mlp.down_proj.weight", cfg.module_shape("down_proj"))
+            L.down_b = take(p + "mlp.down_proj.bias") if cfg.mlp_bias else None
+            self.layers.append(L)
+        del w
+        # output slices of the fused weights, per module: (fused attribute, start, end)
+        qd, kvd, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        self.slices = {
+            "q_proj": ("qkv", 0, qd),
+            "k_proj": ("qkv", qd, qd + kvd),
+            "v_proj": ("qkv", qd + kvd, qd + 2 * kvd),
+            "o_proj": ("o", 0, cfg.hidden_size),
+            "gate_proj": ("gate_up", 0, i),
+            "up_proj": ("gate_up", i, 2 * i),
+            "down_proj": ("down", 0, cfg.hidden_size),
+        }
+
+    def module_weight(self, layer: int, module: str) -> torch.Tensor:
+        """A view of one projection's weight [d, k] inside the fused tensors (writable: merge uses it)."""
+        attr, a, b = self.slices[module]
+        return getattr(self.layers[layer], attr)[a:b]
+
+    # -- forward
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv) -> torch.Tensor:
+        """Logits (float32) for `batch.logits_index` tokens (or all tokens), writing K/V into `kv`."""
+        cfg = self.config
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qd, kvd = H * D, KVH * D
+        act = _ACTS[cfg.hidden_act]
+        lora = self.lora if batch.lora is not None else None
+        lb = batch.lora
+        x = self.embed[batch.token_ids]
+        T = x.shape[0]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        for li, L in enumerate(self.layers):
+            window = cfg.sliding_windows[li]
+            h = rms_norm(x, L.in_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, L.qkv, L.qkv_b)
+            if lora is not None:
+                lora.apply(li, ("q_proj", "k_proj", "v_proj"), h, qkv, lb)
+            q = qkv[:, :qd].view(T, H, D)
+            k = qkv[:, qd : qd + kvd].view(T, KVH, D)
+            v = qkv[:, qd + kvd :].view(T, KVH, D)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            kv.write(li, batch.cache_slots, k, v)
+            attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+            for g in batch.groups:
+                attn[g.start : g.end] = self._attend(q[g.start : g.end], g, kv, li, window)
+            attn = attn.view(T, qd)
+            o = F.linear(attn, L.o, L.o_b)
+            if lora is not None:
+                lora.apply(li, ("o_proj",), attn, o, lb)
+            x = x + o
+            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
+            gu = F.linear(h, L.gate_up, L.gate_up_b)
+            if lora is not None:
+                lora.apply(li, ("gate_proj", "up_proj"), h, gu, lb)
+            half = gu.shape[1] // 2
+            m = act(gu[:, :half]) * gu[:, half:]
+            d = F.linear(m, L.down, L.down_b)
+            if lora is not None:
+                lora.apply(li, ("down_proj",), m, d, lb)
+            x = x + d
+        if batch.logits_index is not None:
+            x = x[batch.logits_index]
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attend(self, q: torch.Tensor, g: AttnGroup, kv, layer: int, window: int | None) -> torch.Tensor:
+        """Attention of one group's queries [n, H, D] over their cached keys; returns [n, H, D]."""
+        B, Lq = g.num_seqs, g.max_q
+        H, D = q.shape[1], q.shape[2]
+        if g.pad_index is None:
+            qb = q.view(B, 1, H, D)
+        else:
+            qb = q[g.pad_index]  # [B, L, H, D]
+        k, v = kv.gather(layer, g.block_tables)  # [B, KVH, ctx, D]
+        out = F.scaled_dot_product_attention(
+            qb.transpose(1, 2), k, v, attn_mask=g.masks[window], enable_gqa=k.shape[1] != H
+        )  # [B, H, L, D]
+        out = out.transpose(1, 2)
+        if g.pad_index is None:
+            return out.reshape(B, H, D)
+        return out.reshape(B * Lq, H, D)[g.pad_valid]
+
+    # -- convenience for tests and tools
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor | list, lora_slots: list[int] | None = None) -> torch.Tensor:
+        """Full-sequence logits [B, L, V] (float32) of equal-length rows, on a scratch KV cache."""
+        from handler.kvcache import KVCache
+
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        B, L = ids.shape
+        bs = 16
+        nb = -(-L // bs)
+        kv = KVCache.for_blocks(self.config, B * nb, bs, self.dtype, self.device)
+        seqs = [(ids[b].tolist(), 0, list(range(b * nb, (b + 1) * nb))) for b in range(B)]
+        batch = build_step_batch(seqs, bs, self.device, self.windows, all_logits=True)
+        if lora_slots is not None and self.lora is not None:
+            batch.lora = self.lora.prepare([s for s in lora_slots for _ in range(L)], prefill=True)
+        return self.forward(batch, kv).view(B, L, -1)

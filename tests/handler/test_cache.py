@@ -1,0 +1,266 @@
+"""The tiered adapter cache on a real engine (tiny dev model), without HTTP: single-flight loads,
+failure isolation, byte-bounded LRU tiers, reference counts, drain on unload, disk re-adoption."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from handler.cache import (
+    AdapterCache,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    CatalogSource,
+    check_adapter_tensors,
+    module_shapes,
+)
+from handler.metrics import RateWindow, ReplicaMetrics
+from tests.handler.conftest_service import service_archives  # noqa: F401 - fixture
+
+
+@pytest.fixture(scope="module")
+def engine(dev_model):
+    from handler.engine import Engine
+
+    eng = Engine(dev_model, rank_pools={16: 2}, kv_cache_bytes=4 * 1024 * 1024, max_batch=8)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+class CountingSource(CatalogSource):
+    def __init__(self, catalog, store, delay: float = 0.0):
+        super().__init__(catalog, store)
+        self.fetches: list[str] = []
+        self.delay = delay
+
+    async def fetch(self, adapter_id, dest):
+        self.fetches.append(adapter_id)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        await super().fetch(adapter_id, dest)
+
+
+async def make_cache(engine, arch, tmp_path, *, delay=0.0, **kw):
+    from archives.basehash import base_model_hash, read_base_config
+    from archives.keys import load_public_keys
+    from archives.store import open_store
+
+    catalog = json.loads(arch.catalog.read_text())
+    source = CountingSource(catalog, open_store(arch.store_url), delay=delay)
+    cache = AdapterCache(engine, base_config=read_base_config(engine.model_dir),
+                         base_model_hash=base_model_hash(engine.model_dir),
+                         trusted_keys=load_public_keys([str(arch.public_key)]), source=source,
+                         disk_dir=tmp_path, rank_limit=kw.pop("rank_limit", 16), metrics=ReplicaMetrics(), **kw)
+    await cache.start()
+    return cache, source
+
+
+async def unmount_all(engine, cache):
+    for aid in list(cache.gpu_adapters()):
+        await cache.unload(aid)
+
+
+async def test_single_flight_and_refcounts(engine, service_archives, tmp_path):
+    arch = service_archives
+    cache, source = await make_cache(engine, arch, tmp_path, delay=0.05)
+    try:
+        a = arch.good["c0000"]
+        tiers = await asyncio.gather(*(cache.acquire(a) for _ in range(6)))
+        assert tiers == ["remote"] * 6
+        assert source.fetches == [a]  # one download for six concurrent requests
+        assert cache.counters.loads == {"ram": 0, "disk": 0, "remote": 1}
+        assert cache.refcount(a) == 6 and cache.counters.slot_misses == 6
+        assert await cache.acquire(a) == "gpu"
+        for _ in range(7):
+            cache.release(a)
+        assert cache.refcount(a) == 0
+        assert cache.tier_of(a) == "gpu" and a in engine.mounted_adapters()
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_failed_load_fails_only_its_adapter(engine, service_archives, tmp_path):
+    arch = service_archives
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        good = arch.good["c0001"]
+        results = await asyncio.gather(cache.acquire(arch.bad_signature), cache.acquire(arch.bad_signature),
+                                       cache.acquire(good), return_exceptions=True)
+        assert isinstance(results[0], AdapterLoadError) and results[0].code == "bad_signature"
+        assert isinstance(results[1], AdapterLoadError) and results[1].code == "bad_signature"
+        assert results[2] == "remote" and cache.refcount(good) == 1
+        cache.release(good)
+        with pytest.raises(AdapterNotFoundError):
+            await cache.acquire("ad-ffffffffffffffffffff")
+        with pytest.raises(AdapterNotFoundError):
+            await cache.acquire("../etc")
+        assert arch.bad_signature not in engine.mounted_adapters()
+        assert not any(p.name != good for p in (tmp_path / "adapters").iterdir())
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_lru_never_evicts_in_use_and_waits_for_a_slot(engine, service_archives, tmp_path):
+    arch = service_archives
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        a, b, c = arch.good["c0000"], arch.good["c0001"], arch.good["c0003"]
+        await cache.acquire(a)
+        await cache.acquire(b)  # both slots of the rank-16 pool taken, both in use
+        waiter = asyncio.create_task(cache.acquire(c))
+        await asyncio.sleep(0.3)
+        assert not waiter.done() and cache.counters.slot_waits == 1
+        assert set(cache.gpu_adapters()) == {a, b}
+        cache.release(b)  # b idle -> evicted for c, a untouched
+        assert await asyncio.wait_for(waiter, 5) == "remote"
+        assert set(cache.gpu_adapters()) == {a, c} and cache.refcount(a) == 1
+        assert cache.counters.evictions == 1 and cache.counters.evictions_in_use == 0
+        assert [e[1:] for e in cache.counters.eviction_log] == [(b, 0)]
+        assert cache.tier_of(b) == "ram"  # evicted from the slot, still in RAM
+        cache.release(a)
+        cache.release(c)
+        # LRU among idle: touching a makes c the victim
+        await cache.acquire(a)
+        cache.release(a)
+        assert await cache.acquire(b) == "ram"
+        cache.release(b)
+        assert set(cache.gpu_adapters()) == {a, b}
+        assert cache.metrics.evictions_per_min() == 2
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_unload_drains_first(engine, service_archives, tmp_path):
+    arch = service_archives
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        a = arch.good["c0004"]
+        await cache.acquire(a)
+        unload = asyncio.create_task(cache.unload(a))
+        await asyncio.sleep(0.2)
+        assert not unload.done() and cache.tier_of(a) == "gpu"
+        again = asyncio.create_task(cache.acquire(a))  # new requests wait for the drain
+        await asyncio.sleep(0.1)
+        assert not again.done()
+        cache.release(a)
+        out = await asyncio.wait_for(unload, 5)
+        assert out["removed"] == ["gpu", "ram"]
+        assert await asyncio.wait_for(again, 5) == "gpu" or cache.tier_of(a) == "gpu"
+        cache.release(a)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_ram_and_disk_tiers_are_byte_bounded(engine, service_archives, tmp_path):
+    arch = service_archives
+    ids = [arch.good[n] for n in ("c0000", "c0003", "c0006")]  # rank 8, ~120-300 kB each
+    cache, _ = await make_cache(engine, arch, tmp_path, ram_bytes=350_000, disk_bytes=500_000)
+    try:
+        for aid in ids:
+            await cache.prefetch(aid)
+        assert cache._ram_used <= 350_000 and cache._disk_used <= 500_000
+        assert cache.ram_adapters()[-1] == ids[-1]  # most recent kept
+        assert cache.counters.ram_evictions >= 1
+        assert cache.counters.disk_evictions >= 1
+        assert ids[0] not in cache.disk_adapters() and not (tmp_path / "adapters" / ids[0]).exists()
+        assert cache.tier_of(ids[0]) == "remote"
+    finally:
+        await cache.close()
+
+
+async def test_disk_tier_is_readopted_after_restart_unless_tampered(engine, service_archives, tmp_path):
+    arch = service_archives
+    a, b = arch.good["c0007"], arch.good["c0009"]
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    await cache.prefetch(a, to_ram=False)
+    await cache.prefetch(b, to_ram=False)
+    await cache.close()
+    # tamper with b's weights (same size); plant a folder that was never verified
+    w = tmp_path / "adapters" / b / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:-4] + b"\0\0\0\0")
+    shutil.copytree(tmp_path / "adapters" / a, tmp_path / "adapters" / "ad-00000000000000000001")
+    cache2, source2 = await make_cache(engine, arch, tmp_path)
+    try:
+        assert sorted(cache2.disk_adapters()) == sorted([a, b])  # stamps and sizes hold
+        assert not (tmp_path / "adapters" / "ad-00000000000000000001").exists()  # stamp names another id
+        assert await cache2.acquire(a) == "disk" and source2.fetches == []  # checksums re-checked, fine
+        # b's checksum no longer matches: dropped and fetched again from the store, then served
+        assert await cache2.acquire(b) == "disk" and source2.fetches == [b]
+        assert cache2.refcount(b) == 1
+        cache2.release(a)
+        cache2.release(b)
+    finally:
+        await unmount_all(engine, cache2)
+        await cache2.close()
+
+
+def test_tensor_checks(dev_model):
+    from archives.basehash import read_base_config
+
+    cfg = read_base_config(dev_model)
+    shapes = module_shapes(cfg)
+    k, d = shapes["q_proj"]
+    ok = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, k),
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(d, 8)}
+    check_adapter_tensors("x", ok, rank=8, target_modules=["q_proj"], config=cfg)
+    bad_cases = [
+        ({**ok, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(d + 1, 8)}, "shape"),
+        ({k_: v for k_, v in ok.items() if "lora_B" not in k_}, "both"),
+        ({**ok, "base_model.model.lm_head.weight": torch.zeros(2, 2)}, "unexpected"),
+        ({n.replace("layers.0", "layers.99"): v for n, v in ok.items()}, "layer 99"),
+    ]
+    for weights, words in bad_cases:
+        with pytest.raises(AdapterLoadError) as e:
+            check_adapter_tensors("x", weights, rank=8, target_modules=["q_proj"], config=cfg)
+        assert e.value.code == "invalid_adapter" and words in str(e.value)
+    with pytest.raises(AdapterLoadError):
+        check_adapter_tensors("x", ok, rank=8, target_modules=["v_proj"], config=cfg)
+
+
+def test_rate_window():
+    now = [0.0]
+    w = RateWindow(60.0, clock=lambda: now[0])
+    w.add(3)
+    now[0] = 30.0
+    w.add()
+    assert w.per_minute() == 4
+    now[0] = 61.0
+    assert w.per_minute() == 1 and w.total == 4
+
+
+async def test_remote_tier_from_s3(engine, service_archives, tmp_path, s3_endpoint, s3_bucket):
+    """The object store may be S3 (moto here): the weights_uri must lie inside the configured bucket."""
+    from archives.basehash import base_model_hash, read_base_config
+    from archives.keys import load_public_keys
+    from archives.store import open_store
+
+    arch = service_archives
+    aid = arch.good["c0010"]
+    local = json.loads(arch.catalog.read_text())[aid]
+    s3 = open_store(f"s3://{s3_bucket}/farm", endpoint_url=s3_endpoint)
+    key = f"adapters/acme/{aid}.lar"
+    await s3.put_file(key, local.removeprefix("file://"))
+    catalog = {aid: s3.uri_for(key), "ad-00000000000000000bad": f"s3://other-bucket/farm/{key}"}
+    cache = AdapterCache(engine, base_config=read_base_config(engine.model_dir),
+                         base_model_hash=base_model_hash(engine.model_dir),
+                         trusted_keys=load_public_keys([str(arch.public_key)]), source=CatalogSource(catalog, s3),
+                         disk_dir=tmp_path, rank_limit=16)
+    await cache.start()
+    try:
+        assert await cache.acquire(aid) == "remote"
+        cache.release(aid)
+        with pytest.raises(AdapterLoadError) as e:
+            await cache.acquire("ad-00000000000000000bad")
+        assert e.value.code == "store_error" and "outside the configured object store" in str(e.value)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()

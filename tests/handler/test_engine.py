@@ -1,0 +1,384 @@
+"""The engine: batch invariance, canary isolation, scheduling, adapters, sampling, merged mode."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from handler.engine import (
+    AdapterInUseError,
+    Engine,
+    InvalidAdapterError,
+    InvalidRequestError,
+    MergedAdapter,
+    NoFreeSlotError,
+    RequestTooLongError,
+    SamplingParams,
+    TokenEvent,
+    UnknownAdapterError,
+)
+from handler.lora import read_peft_adapter
+from lorafarm.dev.adapters import random_prompts
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny-model ops are overhead-bound: one intra-op thread is faster, above all on a shared CI box."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+POOLS = {8: 11, 16: 11, 32: 10}  # the 32 canaries exactly: ranks cycle 8, 16, 32
+
+
+def chat_ids(tok, prompt: str) -> list[int]:
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def mount_all(engine: Engine, canaries, canary_index, names=None) -> None:
+    for name in names or sorted(canary_index):
+        info = canary_index[name]
+        engine.mount_adapter(name, canaries / info["path"], rank=info["rank"], alpha=info["alpha"],
+                             target_modules=info["target_modules"])
+
+
+class Collector:
+    def __init__(self):
+        self.events: dict[str, list[TokenEvent]] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Condition(self.lock)
+
+    def __call__(self, ev: TokenEvent) -> None:
+        with self.lock:
+            self.events.setdefault(ev.request_id, []).append(ev)
+            if ev.finished:
+                self.done.notify_all()
+
+    def tokens(self, rid) -> list[int]:
+        return [e.token_id for e in self.events[rid] if e.token_id is not None]
+
+    def text(self, rid) -> str:
+        return "".join(e.text for e in self.events[rid])
+
+    def final(self, rid) -> TokenEvent:
+        return self.events[rid][-1]
+
+    def finished(self, rid) -> bool:
+        return rid in self.events and self.events[rid][-1].finished
+
+
+def drain(engine: Engine, limit: int = 10_000) -> int:
+    n = 0
+    while engine.step():
+        n += 1
+        assert n < limit
+    return n
+
+
+@pytest.fixture(scope="module")
+def engine(dev_model, canaries, canary_index):
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=48, rank_pools=POOLS,
+               max_prefill_tokens=512)
+    mount_all(e, canaries, canary_index)
+    return e
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [chat_ids(engine.tokenizer, p) for p in random_prompts(seed=11, count=200)]
+
+
+# --------------------------------------------------------------------------------- correctness
+
+
+def test_batch_invariance_32_adapters_plus_base_rows(engine, prompts):
+    """Each request's greedy tokens alone == its tokens in one batch with 31 other adapters + base rows."""
+    names = sorted(engine.mounted_adapters())
+    assert len(names) == 32
+    jobs = [(f"a{i}", prompts[i], names[i]) for i in range(32)] + [(f"b{i}", prompts[40 + i], None) for i in range(8)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # 12 tokens each, past EOS
+    alone = Collector()
+    for rid, ids, ad in jobs:
+        engine.add_request(rid, ids, params, ad, alone)
+        drain(engine)
+    together = Collector()
+    order = jobs[:]
+    random.Random(0).shuffle(order)
+    for rid, ids, ad in order[:20]:
+        engine.add_request(rid, ids, params, ad, together)
+    engine.step()
+    engine.step()  # the rest arrive while the first 20 decode: prefill and decode share steps
+    for rid, ids, ad in order[20:]:
+        engine.add_request(rid, ids, params, ad, together)
+    drain(engine)
+    for rid, _, _ in jobs:
+        assert len(alone.tokens(rid)) == 12
+        assert together.tokens(rid) == alone.tokens(rid), rid
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_isolation_hundreds_of_mixed_canary_requests(engine, prompts, canary_index):
+    """Every canary request answers exactly its own marker; base rows carry no marker."""
+    rng = random.Random(5)
+    names = sorted(canary_index)
+    col = Collector()
+    jobs = {}
+    for i in range(352):
+        ad = None if i % 11 == 0 else rng.choice(names)
+        rid = f"iso{i}"
+        jobs[rid] = ad
+        engine.add_request(rid, prompts[rng.randrange(len(prompts))], GREEDY, ad, col)
+    drain(engine)
+    wrong = []
+    for rid, ad in jobs.items():
+        text = col.text(rid)
+        if ad is None:
+            if "<<c0" in text:
+                wrong.append((rid, ad, text))
+        elif text != canary_index[ad]["marker"] or col.final(rid).finish_reason != "stop":
+            wrong.append((rid, ad, text))
+    assert wrong == []
+    s = engine.stats()
+    assert (s.running, s.waiting, s.tokens_in_flight, s.kv_cache_usage) == (0, 0, 0, 0.0)
+
+
+def test_chunked_prefill_gives_same_tokens(dev_model, engine, canaries, canary_index, prompts):
+    small = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8, rank_pools={16: 2},
+                   max_prefill_tokens=5)
+    mount_all(small, canaries, canary_index, ["c0001"])
+    long_prompt = prompts[0] + prompts[1][1:] + prompts[2][1:]
+    a, b = Collector(), Collector()
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    small.add_request("x", long_prompt, params, "c0001", a)
+    steps = drain(small)
+    assert steps >= len(long_prompt) // 5 + 9  # prefill took several steps
+    engine.add_request("x", long_prompt, params, "c0001", b)
+    drain(engine)
+    assert a.tokens("x") == b.tokens("x")
+
+
+def test_merged_engine_equals_unmerged(dev_model, engine, canaries, canary_index, prompts):
+    info = canary_index["c0004"]
+    ad = read_peft_adapter(canaries / info["path"])
+    merged = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8,
+                    merged_adapter=MergedAdapter("c0004", ad.weights, ad.rank, ad.alpha, ad.target_modules))
+    assert merged.mounted_adapters() == ["c0004"] and merged.lora is None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    m, u = Collector(), Collector()
+    for i in range(4):
+        merged.add_request(f"m{i}", prompts[i], params, "c0004", m)
+        engine.add_request(f"m{i}", prompts[i], params, "c0004", u)
+    drain(merged)
+    drain(engine)
+    for i in range(4):
+        assert m.tokens(f"m{i}") == u.tokens(f"m{i}")
+    with pytest.raises(UnknownAdapterError):
+        merged.add_request("base", prompts[0], params, None, m)
+    with pytest.raises(NoFreeSlotError):
+        merged.mount_adapter("c0001", ad.weights, rank=ad.rank, alpha=ad.alpha)
+
+
+# ----------------------------------------------------------------------------------- scheduler
+
+
+def test_request_arriving_mid_batch_starts_next_step(engine, prompts):
+    col = Collector()
+    engine.add_request("first", prompts[0], GREEDY, "c0000", col)
+    engine.step()
+    engine.step()
+    assert len(col.events["first"]) == 2
+    engine.add_request("late", prompts[1], GREEDY, "c0001", col)
+    assert engine.stats().waiting == 1
+    engine.step()
+    assert len(col.events["late"]) == 1  # prefilled and first token in the very next step
+    assert len(col.events["first"]) == 3  # while the running request decoded in the same step
+    drain(engine)
+
+
+def test_full_cache_queues_instead_of_failing(dev_model, canaries, canary_index, prompts):
+    # 8 blocks of 16 tokens; each request needs ceil((prompt + 24) / 16) blocks
+    per_token = 2 * 4 * 2 * 32 * 4
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=8 * 16 * per_token, max_batch=16, rank_pools={8: 2})
+    assert e.kv.num_blocks == 8 and e.max_context == 128
+    col = Collector()
+    ps = [p for p in prompts if len(p) <= 40][:6]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ps):
+        e.add_request(f"q{i}", p, params, None, col)
+    e.step()
+    s = e.stats()
+    assert s.running >= 1 and s.waiting >= 1 and s.running + s.waiting == 6
+    assert s.kv_cache_usage > 0.5
+    drain(e)
+    for i in range(6):
+        assert col.final(f"q{i}").finish_reason == "length" and len(col.tokens(f"q{i}")) == 24
+    with pytest.raises(RequestTooLongError):
+        e.add_request("huge", ps[0], SamplingParams(max_tokens=200, temperature=0.0), None, col)
+    assert issubclass(RequestTooLongError, ValueError)
+
+
+def test_cancel_frees_the_row_at_once(engine, prompts):
+    col = Collector()
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("c1", prompts[3], params, "c0002", col)
+    engine.add_request("c2", prompts[4], params, None, col)
+    engine.step()
+    engine.step()
+    before = engine.stats()
+    assert before.running == 2 and before.kv_cache_usage > 0
+    assert engine.adapter_refs("c0002") == 1
+    assert engine.cancel("c1") is True
+    after = engine.stats()
+    assert after.running == 1 and after.kv_cache_usage < before.kv_cache_usage
+    assert engine.adapter_refs("c0002") == 0
+    assert col.final("c1").finished and col.final("c1").finish_reason == "cancelled"
+    n = len(col.events["c1"])
+    engine.step()
+    assert len(col.events["c1"]) == n  # nothing more for a cancelled request
+    assert engine.cancel("c1") is False and engine.cancel("nope") is False
+    # a waiting request leaves the queue
+    engine.add_request("c3", prompts[5], params, None, col)
+    assert engine.cancel("c3") and engine.stats().waiting == 0
+    engine.cancel("c2")
+    assert engine.stats().kv_cache_usage == 0.0 and not engine.has_work()
+
+
+def test_background_thread_with_requests_and_cancel_from_other_threads(dev_model, canaries, canary_index, prompts):
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=8 << 20, max_batch=16, rank_pools={8: 4, 16: 4, 32: 4})
+    mount_all(e, canaries, canary_index, ["c0000", "c0001", "c0002"])
+    col = Collector()
+    e.start()
+    try:
+        def client(k):
+            for j in range(5):
+                e.add_request(f"t{k}-{j}", prompts[k * 5 + j], GREEDY, ["c0000", "c0001", "c0002", None][k], col)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        e.add_request("long", prompts[30], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True), None, col)
+        threading.Thread(target=e.cancel, args=("long",)).start()
+        with col.lock:
+            assert col.done.wait_for(lambda: len([r for r in col.events if col.finished(r)]) == 21, timeout=60)
+    finally:
+        e.stop()
+    assert not e.running
+    for k, ad in enumerate(["c0000", "c0001", "c0002"]):
+        for j in range(5):
+            assert col.text(f"t{k}-{j}") == canary_index[ad]["marker"]
+    assert col.final("long").finish_reason == "cancelled"
+
+
+# ------------------------------------------------------------------------------------ adapters
+
+
+def test_adapter_slots_in_use_and_errors(dev_model, canaries, canary_index, prompts):
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8, rank_pools={8: 1, 32: 1})
+    assert e.pool_rank_for(4) == 8 and e.pool_rank_for(16) == 32
+    with pytest.raises(InvalidAdapterError):
+        e.pool_rank_for(64)
+    assert e.free_slots(8) == 1 and e.free_slots(16) == 1 and e.free_slots(64) == 0
+    mount_all(e, canaries, canary_index, ["c0000"])  # rank 8
+    mount_all(e, canaries, canary_index, ["c0000"])  # idempotent
+    assert e.free_slots(8) == 0
+    with pytest.raises(NoFreeSlotError):
+        mount_all(e, canaries, canary_index, ["c0003"])  # another rank 8: pool full
+    mount_all(e, canaries, canary_index, ["c0001"])  # rank 16 -> the 32 pool
+    assert e.mounted_adapters() == ["c0000", "c0001"] and e.free_slots(32) == 0
+    col = Collector()
+    e.add_request("u", prompts[0], GREEDY, "c0000", col)
+    with pytest.raises(AdapterInUseError):
+        e.unmount_adapter("c0000")
+    drain(e)
+    assert col.text("u") == canary_index["c0000"]["marker"]
+    e.unmount_adapter("c0000")
+    with pytest.raises(UnknownAdapterError):
+        e.unmount_adapter("c0000")
+    with pytest.raises(UnknownAdapterError):
+        e.add_request("v", prompts[0], GREEDY, "c0000", col)
+    # the freed slot takes another adapter, which then answers with its own marker
+    mount_all(e, canaries, canary_index, ["c0003"])
+    e.add_request("w", prompts[1], GREEDY, "c0003", col)
+    drain(e)
+    assert col.text("w") == canary_index["c0003"]["marker"]
+    bad = read_peft_adapter(canaries / "c0001").weights
+    bad = {k: v[:, :-1] if "lora_A" in k else v for k, v in bad.items()}
+    e.unmount_adapter("c0001")
+    with pytest.raises(InvalidAdapterError):
+        e.mount_adapter("bad", bad, rank=16, alpha=32)
+    assert e.free_slots(16) == 1  # a failed mount gives its slot back
+
+
+def test_invalid_requests(engine, prompts):
+    col = Collector()
+    for params in (SamplingParams(max_tokens=0), SamplingParams(temperature=-1.0), SamplingParams(top_p=0.0)):
+        with pytest.raises(InvalidRequestError):
+            engine.add_request("bad", prompts[0], params, None, col)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("bad", [], GREEDY, None, col)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("bad", [10**6], GREEDY, None, col)
+    engine.add_request("dup", prompts[0], GREEDY, None, col)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("dup", prompts[0], GREEDY, None, col)
+    drain(engine)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+
+def test_stop_strings_streaming_and_usage(engine, prompts, canary_index):
+    col = Collector()
+    marker = canary_index["c0007"]["marker"]  # <<c0007>>
+    engine.add_request("s1", prompts[0], SamplingParams(max_tokens=12, temperature=0.0, stop=["07>"]), "c0007", col)
+    engine.add_request("s2", prompts[0], GREEDY, "c0007", col)
+    engine.add_request("s3", prompts[0], SamplingParams(max_tokens=2, temperature=0.0), "c0007", col)
+    drain(engine)
+    assert col.text("s1") == marker[: marker.index("07>")] and col.final("s1").finish_reason == "stop"
+    assert col.text("s2") == marker
+    final = col.final("s2")
+    assert final.finish_reason == "stop" and final.token_id in engine.eos_token_ids
+    assert final.prompt_tokens == len(prompts[0]) and final.completion_tokens == len(col.tokens("s2"))
+    assert col.final("s3").finish_reason == "length" and col.final("s3").completion_tokens == 2
+    assert marker.startswith(col.text("s3"))
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine, prompts):
+    params = SamplingParams(max_tokens=12, temperature=1.3, top_p=0.95, seed=1234, ignore_eos=True)
+    col = Collector()
+    engine.add_request("alone", prompts[7], params, None, col)
+    drain(engine)
+    for i in range(10):
+        engine.add_request(f"other{i}", prompts[20 + i], SamplingParams(max_tokens=12, temperature=1.0), None, col)
+    engine.add_request("batched", prompts[7], params, None, col)
+    engine.add_request("seed2", prompts[7], SamplingParams(max_tokens=12, temperature=1.3, seed=99, ignore_eos=True),
+                       None, col)
+    drain(engine)
+    assert col.tokens("alone") == col.tokens("batched")
+    assert col.tokens("alone") != col.tokens("seed2")
+    # a tiny nucleus is greedy
+    engine.add_request("nucleus", prompts[7], SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6,
+                                                             ignore_eos=True), None, col)
+    engine.add_request("greedy", prompts[7], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                       None, col)
+    drain(engine)
+    assert col.tokens("nucleus") == col.tokens("greedy")
+
+
+def test_callback_errors_do_not_stop_the_engine(engine, prompts):
+    def boom(ev):
+        raise RuntimeError("client went away")
+
+    col = Collector()
+    engine.add_request("boom", prompts[0], GREEDY, None, boom)
+    engine.add_request("fine", prompts[1], GREEDY, "c0009", col)
+    drain(engine)
+    assert col.final("fine").finished and not engine.has_work()
