@@ -1,0 +1,235 @@
+"""`lorafarm registry` (serve the control plane) and the admin commands that talk to a running
+registry: `lorafarm tenants create NAME`, `lorafarm adapters upload PEFT_DIR --tenant T [--alias A]`,
+`lorafarm aliases set ALIAS ADAPTER_ID`, `lorafarm aliases rollback ALIAS`.
+
+Admin commands take the registry URL and admin token from --registry-url / --admin-token, else
+$LORAFARM_REGISTRY_URL / $LORAFARM_ADMIN_TOKEN, else farm.json (--farm, $LORAFARM_FARM_JSON,
+./var/farm.json)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from lorafarm.errors import CliError
+
+
+# -- lorafarm registry -------------------------------------------------------------------------
+
+
+def _base_model(value: str) -> tuple[str, str]:
+    name, sep, folder = value.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=DIR")
+    return name, folder
+
+
+def _admin_token(state_dir) -> str:
+    """A token for a registry started without one: kept in <state-dir>/admin-token (mode 0600)."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    path = Path(state_dir) / "admin-token"
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    print(f"lorafarm registry: no --admin-token given; generated one in {path}", file=sys.stderr)
+    return token
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import uvicorn
+
+    from registry.settings import RegistrySettings
+
+    for name, folder in args.base_model:
+        if not Path(folder, "config.json").is_file():
+            raise CliError(f"--base-model {name}={folder}: no config.json there")
+    if args.rank_limit < 1:
+        raise CliError("--rank-limit must be at least 1")
+    if args.owners_k < 1:
+        raise CliError("--owners-k must be at least 1")
+    if args.replica_capacity <= 0 or args.replica_timeout <= 0:
+        raise CliError("--replica-capacity and --replica-timeout must be positive")
+    settings = RegistrySettings.from_env(
+        state_dir=args.state_dir,
+        database_url=args.database_url,
+        store_url=args.store_url,
+        s3_endpoint_url=args.s3_endpoint_url,
+        admin_token=args.admin_token,
+        signing_key=args.signing_key,
+        base_models=dict(args.base_model) or None,
+        rank_limit=args.rank_limit,
+        owners_k=args.owners_k,
+        replica_capacity_tokens_per_s=args.replica_capacity,
+        replica_timeout_s=args.replica_timeout,
+    )
+    if not settings.admin_token:
+        settings.admin_token = _admin_token(settings.state_dir)
+    if not (settings.store_url.startswith(("file://", "s3://", "/"))):
+        raise CliError(f"--store-url {settings.store_url!r}: use file:///abs/dir or s3://bucket/prefix")
+    from registry.app import create_app
+
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+# -- admin commands ----------------------------------------------------------------------------
+
+
+def _client(args):
+    from lorafarm.registry_client import RegistryClient
+    from lorafarm.settings import registry_connection
+
+    url, token = registry_connection(args.registry_url, args.admin_token, args.farm)
+    if not token:
+        raise CliError("no admin token: pass --admin-token, set LORAFARM_ADMIN_TOKEN, or run `lorafarm up` (farm.json)")
+    return RegistryClient(url, token)
+
+
+def _call(args, fn):
+    from lorafarm.registry_client import RegistryError
+
+    async def run():
+        async with _client(args) as reg:
+            return await fn(reg)
+
+    try:
+        return asyncio.run(run())
+    except RegistryError as e:
+        raise CliError(e.message if e.status == 0 else f"{e.message} (HTTP {e.status})") from None
+
+
+def _tenants_create(args) -> int:
+    out = _call(args, lambda reg: reg.create_tenant(args.name, args.requests_per_s, args.tokens_per_s))
+    print(f"tenant {out['tenant_id']} created; API key {out['key_id']} (shown only now):", file=sys.stderr)
+    print(out["api_key"])
+    return 0
+
+
+def _tenants_list(args) -> int:
+    print(json.dumps(_call(args, lambda reg: reg.list_tenants()), indent=1))
+    return 0
+
+
+def _adapters_upload(args) -> int:
+    from pathlib import Path
+
+    if not Path(args.peft_dir).exists():
+        raise CliError(f"{args.peft_dir}: no such folder or file")
+    out = _call(args, lambda reg: reg.upload_adapter(args.peft_dir, args.tenant, alias=args.alias,
+                                                      base_model=args.base_model))
+    note = "registered" if out.get("created", True) else "already registered"
+    alias = f"; alias {out['alias']}" if out.get("alias") else ""
+    print(f"{note}: rank {out['rank']}, {out['size_bytes']} bytes, {out['weights_uri']}{alias}", file=sys.stderr)
+    print(out["adapter_id"])
+    return 0
+
+
+def _adapters_list(args) -> int:
+    print(json.dumps(_call(args, lambda reg: reg.list_adapters(args.tenant)), indent=1))
+    return 0
+
+
+def _aliases_set(args) -> int:
+    out = _call(args, lambda reg: reg.set_alias(args.alias, args.adapter_id))
+    print(f"{out['alias']} -> {out['adapter_id']} (previous: {out['previous_adapter_id'] or 'none'})")
+    return 0
+
+
+def _aliases_rollback(args) -> int:
+    out = _call(args, lambda reg: reg.rollback_alias(args.alias))
+    print(f"{out['alias']} -> {out['adapter_id']} (previous: {out['previous_adapter_id'] or 'none'})")
+    return 0
+
+
+def _aliases_get(args) -> int:
+    print(json.dumps(_call(args, lambda reg: reg.get_alias(args.alias)), indent=1))
+    return 0
+
+
+def _connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry-url", default=None, help="registry URL (default $LORAFARM_REGISTRY_URL, farm.json)")
+    p.add_argument("--admin-token", default=None, help="admin token (default $LORAFARM_ADMIN_TOKEN, farm.json)")
+    p.add_argument("--farm", default=None, help="farm.json written by `lorafarm up` (default ./var/farm.json)")
+
+
+def _group(sub, name: str, help: str):
+    p = sub.add_parser(name, help=help)
+    inner = p.add_subparsers(dest="action", metavar="ACTION", parser_class=type(p))
+    inner.required = True
+    return inner
+
+
+def register(sub) -> None:
+    p = sub.add_parser("registry", help="serve the registry (control plane) with uvicorn")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8100, help="listen port (default 8100)")
+    p.add_argument("--state-dir", default=None, help="default folder of the database, store and keys (var)")
+    p.add_argument("--database-url", default=None, help="SQLAlchemy async URL (default $LORAFARM_DATABASE_URL, "
+                   "else sqlite in the state dir)")
+    p.add_argument("--store-url", default=None, help="file:///abs/dir or s3://bucket/prefix (default $LORAFARM_STORE_URL)")
+    p.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (default $LORAFARM_S3_ENDPOINT_URL)")
+    p.add_argument("--admin-token", default=None, help="bearer token of /internal/* (default $LORAFARM_ADMIN_TOKEN)")
+    p.add_argument("--signing-key", default=None, help="Ed25519 private key PEM (default $LORAFARM_SIGNING_KEY; "
+                   "generated when missing)")
+    p.add_argument("--base-model", action="append", type=_base_model, default=[], metavar="NAME=DIR",
+                   help="a served base model (repeatable)")
+    p.add_argument("--rank-limit", type=int, default=64, help="highest adapter rank accepted (default 64)")
+    p.add_argument("--owners-k", type=int, default=2, help="default owner replicas per adapter (default 2)")
+    p.add_argument("--replica-capacity", type=float, default=640.0,
+                   help="tokens/s one replica serves of one adapter; owner counts grow past it (default 640)")
+    p.add_argument("--replica-timeout", type=float, default=30.0, help="seconds without heartbeat before down (30)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.set_defaults(func=_serve)
+
+    tenants = _group(sub, "tenants", "manage tenants of a running registry")
+    p = tenants.add_parser("create", help="create a tenant; prints its API key once")
+    p.add_argument("name", help="tenant id (a slug: [a-z0-9][a-z0-9-]{1,62})")
+    p.add_argument("--requests-per-s", type=float, default=None)
+    p.add_argument("--tokens-per-s", type=float, default=None)
+    _connection_flags(p)
+    p.set_defaults(func=_tenants_create)
+    p = tenants.add_parser("list", help="list tenants (JSON)")
+    _connection_flags(p)
+    p.set_defaults(func=_tenants_list)
+
+    adapters = _group(sub, "adapters", "upload and list adapters")
+    p = adapters.add_parser("upload", help="upload a PEFT adapter folder (or tar); prints the adapter id")
+    p.add_argument("peft_dir", help="folder with adapter_config.json + adapter_model.safetensors, or a tar of one")
+    p.add_argument("--tenant", required=True, help="owning tenant id")
+    p.add_argument("--alias", default=None, help="also point this alias (<tenant>/<name>:<tag>) at it")
+    p.add_argument("--base-model", default=None, help="served base model name or hash (default: the only one)")
+    _connection_flags(p)
+    p.set_defaults(func=_adapters_upload)
+    p = adapters.add_parser("list", help="list adapters (JSON)")
+    p.add_argument("--tenant", default=None)
+    _connection_flags(p)
+    p.set_defaults(func=_adapters_list)
+
+    aliases = _group(sub, "aliases", "deploy and roll back aliases")
+    p = aliases.add_parser("set", help="deploy: point ALIAS at ADAPTER_ID")
+    p.add_argument("alias")
+    p.add_argument("adapter_id")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_set)
+    p = aliases.add_parser("rollback", help="point ALIAS back at its previous adapter")
+    p.add_argument("alias")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_rollback)
+    p = aliases.add_parser("get", help="show ALIAS (JSON)")
+    p.add_argument("alias")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_get)

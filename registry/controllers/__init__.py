@@ -1,0 +1,18 @@
+"""Litestar controllers of the registry, one per domain, all under /internal with the admin guard."""
+
+from registry.controllers.adapters import AdapterController
+from registry.controllers.aliases import AliasController
+from registry.controllers.replicas import PlacementController, ReplicaController
+from registry.controllers.routing import RoutingController, StatsController
+from registry.controllers.tenants import AuthController, TenantController
+
+CONTROLLERS = [
+    TenantController,
+    AuthController,
+    AdapterController,
+    AliasController,
+    ReplicaController,
+    PlacementController,
+    StatsController,
+    RoutingController,
+]

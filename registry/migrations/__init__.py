@@ -1,0 +1,1 @@
+"""Alembic migrations of the registry database (run programmatically by registry.db.migrate)."""

@@ -1,0 +1,221 @@
+"""Request and answer bodies of the registry HTTP API (docs/contracts.md, "Registry HTTP API").
+The tables live in `registry.tables`; these are the wire shapes, and Litestar derives the OpenAPI
+document from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from litestar.datastructures import UploadFile
+from pydantic import BaseModel, ConfigDict, Field
+
+TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{1,62}$"
+ADAPTER_ID_PATTERN = r"^ad-[0-9a-f]{20}$"
+SHA256_PATTERN = r"^sha256:[0-9a-f]{64}$"
+REPLICA_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+ALIAS_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+ALIAS_PATTERN = r"^[a-z0-9][a-z0-9-]{1,62}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI-style error object, the body of every 4xx/5xx answer."""
+
+    error: ErrorDetail
+
+
+# -- tenants and keys --------------------------------------------------------------------------
+
+
+class TenantCreate(_In):
+    name: str = Field(pattern=TENANT_ID_PATTERN, description="the tenant id (a slug)")
+    requests_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
+    tokens_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
+
+
+class TenantCreated(BaseModel):
+    tenant_id: str
+    api_key: str = Field(description="shown only in this answer")
+    key_id: str
+
+
+class TenantOut(BaseModel):
+    tenant_id: str
+    requests_per_s: float | None
+    tokens_per_s: float | None
+    created_at: datetime
+
+
+class KeyCreated(BaseModel):
+    key_id: str
+    api_key: str = Field(description="shown only in this answer")
+
+
+class KeyOut(BaseModel):
+    key_id: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class VerifyRequest(_In):
+    api_key: str = Field(max_length=512)
+
+
+class VerifyResult(BaseModel):
+    tenant_id: str
+    key_id: str
+    requests_per_s: float | None
+    tokens_per_s: float | None
+
+
+# -- adapters ----------------------------------------------------------------------------------
+
+
+class AdapterRegister(_In):
+    """Metadata of a signed archive already in the registry's object store."""
+
+    adapter_id: str = Field(pattern=ADAPTER_ID_PATTERN)
+    tenant_id: str = Field(pattern=TENANT_ID_PATTERN)
+    version: int = Field(ge=1, le=2**31 - 1)
+    base_model_hash: str = Field(pattern=SHA256_PATTERN)
+    rank: int = Field(ge=1, le=65536)
+    alpha: float = Field(gt=0, le=1e9)
+    target_modules: list[str] = Field(min_length=1, max_length=64)
+    weights_uri: str = Field(min_length=1, max_length=1024)
+    checksum: str = Field(pattern=SHA256_PATTERN)
+
+
+class AdapterOut(BaseModel):
+    adapter_id: str
+    tenant_id: str
+    version: int
+    base_model_hash: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    weights_uri: str
+    checksum: str = Field(description="sha256 of the signed .lar archive")
+    status: str
+    created_at: datetime
+
+
+class AdapterUploaded(AdapterOut):
+    alias: str | None = None
+    created: bool = Field(description="false when the same content was already registered")
+
+
+@dataclass
+class AdapterUploadForm:
+    """multipart/form-data of POST /internal/adapters/upload: either `files` (adapter_config.json
+    and adapter_model.safetensors, by file name) or one `archive` (a tar of those files)."""
+
+    tenant_id: str
+    alias: str | None = None
+    base_model: str | None = None
+    version: str | None = None
+    files: list[UploadFile] | None = None
+    archive: UploadFile | None = None
+
+
+# -- aliases -----------------------------------------------------------------------------------
+
+
+class AliasSet(_In):
+    adapter_id: str = Field(pattern=ADAPTER_ID_PATTERN)
+
+
+class AliasOut(BaseModel):
+    alias: str
+    tenant_id: str
+    adapter_id: str
+    previous_adapter_id: str | None
+    updated_at: datetime
+
+
+# -- replicas and placements -------------------------------------------------------------------
+
+
+class ReplicaJoin(_In):
+    replica_id: str = Field(pattern=REPLICA_ID_PATTERN)
+    url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=1024)
+    base_model_hash: str = Field(pattern=SHA256_PATTERN)
+    models: list[str] = Field(default_factory=list, max_length=64)
+    capacity_weight: float = Field(default=1.0, gt=0, le=1e6)
+
+
+class ReplicaOut(BaseModel):
+    replica_id: str
+    url: str
+    base_model_hash: str
+    models: list[str]
+    capacity_weight: float
+    last_seen: datetime
+    status: str = Field(description="up | down")
+
+
+class PlacementOut(BaseModel):
+    adapter_id: str
+    k: int
+    owners: list[str]
+
+
+class ReplicaPlacements(BaseModel):
+    replica_id: str
+    adapters: list[str]
+
+
+# -- stats and routing -------------------------------------------------------------------------
+
+
+class AdapterWindow(_In):
+    adapter_id: str = Field(max_length=64)
+    requests: int = Field(ge=0, le=2**40)
+    tokens: int = Field(ge=0, le=2**50)
+    gpu_hits: int = Field(default=0, ge=0, le=2**40)
+
+
+class StatsIn(_In):
+    window_s: float = Field(gt=0, le=86400)
+    adapters: list[AdapterWindow] = Field(default_factory=list, max_length=1_000_000)
+
+
+class RoutingAlias(BaseModel):
+    adapter_id: str
+    tenant_id: str
+
+
+class RoutingAdapter(BaseModel):
+    tenant_id: str
+    base_model_hash: str
+    owners_k: int
+    status: str
+
+
+class RoutingTable(BaseModel):
+    version: int
+    aliases: dict[str, RoutingAlias]
+    adapters: dict[str, RoutingAdapter]
+    base_models: dict[str, str]
+    replicas: list[ReplicaOut]
+    rank_limit: int
+
+
+class Health(BaseModel):
+    status: str
+    version: int
