@@ -1,0 +1,536 @@
+"""The router's Litestar app: `create_app(settings)`.
+
+Public API (OpenAI-compatible): `POST /v1/chat/completions`, `POST /v1/completions`,
+`GET /v1/models`, `GET /health`, `GET /metrics`. Every /v1 call needs
+`Authorization: Bearer <tenant API key>`.
+
+The lifespan starts four loops: the registry routing table (every `routing_poll_interval`, with
+its ETag, so an alias deploy or rollback is in use within about one interval), the replica state
+poller (every `poll_interval`), the per-adapter stats pusher (every `stats_window`) and the SLO
+evaluator. Everything lives on one `RouterCore` at `app.state.core`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from lorafarm.registry_client import RegistryClient
+from router.auth import AuthCache, AuthUnavailable, InvalidApiKey, Tenant
+from router.catalog import Catalog, ModelNotFound, Resolved
+from router.config import RouterSettings
+from router.metrics import RouterMetrics
+from router.openai_api import CHAT, COMPLETIONS, UPSTREAM_PATH, ApiError, ParsedRequest, parse_request
+from router.proxy import Failed, Opened, Proxy, UsageScanner
+from router.ratelimit import RateLimiter
+from router.routing import RankedReplica, RouteRequest, choose
+from router.slo import SloTracker
+from router.stats import StatsAccumulator
+from router.view import ReplicaView
+
+log = logging.getLogger("lorafarm.router")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+access_log = logging.getLogger("lorafarm.router.access")
+
+
+class RouterCore:
+    """The router's state and its request path; the Litestar handlers are thin wrappers."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        registry: RegistryClient | None = None,
+        http: httpx.AsyncClient | None = None,
+    ):
+        self.settings = s = settings
+        self.metrics = RouterMetrics()
+        self._own_http = http is None
+        self.http = http or httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
+            timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout),
+        )
+        self._own_registry = registry is None
+        self.registry = registry or RegistryClient(s.registry_url, s.admin_token, timeout=s.registry_timeout)
+        self.view = ReplicaView(
+            self.http,
+            admin_token=s.admin_token,
+            health_failures=s.health_failures,
+            state_timeout=s.state_timeout,
+            health_timeout=s.health_timeout,
+            load_threshold_tokens=s.load_threshold_tokens,
+            load_threshold_queue=s.load_threshold_queue,
+            metrics=self.metrics,
+        )
+        self.catalog = Catalog(self.view, default_owners_k=s.default_owners_k)
+        self.auth = AuthCache(
+            self.registry.verify_api_key,
+            ttl=s.auth_ttl,
+            negative_ttl=s.auth_negative_ttl,
+            stale_grace=s.auth_stale_grace,
+        )
+        self.limiter = RateLimiter(burst_seconds=s.burst_seconds)
+        self.slo = SloTracker(
+            target=s.slo_ttft_target,
+            window=s.slo_window,
+            min_samples=s.slo_min_samples,
+            on_update=self.metrics.set_tenant_slo,
+        )
+        self.stats = StatsAccumulator()
+        self.proxy = Proxy(
+            self.http,
+            admin_token=s.admin_token,
+            max_attempts=s.max_attempts,
+            connect_timeout=s.connect_timeout,
+            first_byte_timeout=s.first_byte_timeout,
+            read_timeout=s.read_timeout,
+            on_failure=self.view.mark_failure,
+            on_success=self.view.mark_success,
+            on_failover=lambda reason: self.metrics.failovers.labels(reason).inc(),
+        )
+        self.rng = random.Random()
+        self.etag: str | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._registry_down_logged = False
+        self._stats_since = time.monotonic()
+
+    # -- background loops ----------------------------------------------------------------------
+
+    async def refresh_routing(self) -> bool:
+        """One routing-table poll; True when a new table was applied."""
+        try:
+            table, etag = await self.registry.routing_table(self.etag)
+        except Exception as e:
+            self.metrics.registry_errors.labels("routing").inc()
+            if not self._registry_down_logged:
+                log.warning("routing table unavailable from the registry (%s); keeping the last one", e)
+                self._registry_down_logged = True
+            return False
+        if self._registry_down_logged:
+            log.info("registry reachable again")
+            self._registry_down_logged = False
+        if table is None:
+            return False
+        self.view.apply_table(table)
+        self.etag = etag
+        if self.view.table.version is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                self.metrics.routing_version.set(float(self.view.table.version))
+        log.debug("routing table version %s applied", self.view.table.version)
+        return True
+
+    async def _every(self, interval: float, fn, name: str) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("router %s loop failed; continuing", name)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _push_stats(self) -> None:
+        now = time.monotonic()
+        window = now - self._stats_since  # the real window, not the nominal one
+        try:
+            if await self.stats.push(self.registry.push_stats, round(window, 3)):
+                self._stats_since = now
+        except Exception:
+            self.metrics.registry_errors.labels("stats").inc()
+
+    async def _poll_states(self) -> None:
+        await self.view.poll_states(wait=self.settings.poll_interval * 0.9)
+
+    async def _evaluate_slo(self) -> None:
+        self.slo.evaluate()
+
+    async def start(self) -> None:
+        s = self.settings
+        # first table and states before serving, bounded so an absent registry does not block start-up
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(2.0, s.registry_timeout)):
+                if await self.refresh_routing():
+                    await self.view.poll_states()
+        self._tasks = [
+            asyncio.create_task(self._every(s.routing_poll_interval, self.refresh_routing, "routing")),
+            asyncio.create_task(self._every(s.poll_interval, self._poll_states, "state")),
+            asyncio.create_task(self._every(s.stats_window, self._push_stats, "stats")),
+            asyncio.create_task(self._every(s.slo_eval_interval, self._evaluate_slo, "slo")),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self.view.cancel_polls()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._push_stats(), timeout=2.0)  # the last partial window
+        if self._own_registry:
+            await self.registry.aclose()
+        if self._own_http:
+            await self.http.aclose()
+
+    # -- request path --------------------------------------------------------------------------
+
+    async def authenticate(self, request: Request) -> Tenant:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(
+                401,
+                "You didn't provide an API key. Pass it as 'Authorization: Bearer YOUR_KEY'.",
+                code="invalid_api_key",
+            )
+        try:
+            return await self.auth.tenant_for(key.strip())
+        except InvalidApiKey:
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key") from None
+        except AuthUnavailable as e:
+            raise ApiError(503, str(e), type_="server_error", code="auth_unavailable") from None
+
+    def models(self, tenant: Tenant) -> dict:
+        return self.catalog.models_for(tenant.tenant_id)
+
+    def route(self, resolved: Resolved, tokens: int) -> list[RankedReplica]:
+        rr = RouteRequest(
+            adapter_id=resolved.adapter_id,
+            base_model_hash=resolved.base_model_hash,
+            model_name=resolved.base_model_name if resolved.kind == "base" else None,
+            owners_k=resolved.owners_k,
+            tokens=tokens,
+        )
+        return choose(
+            rr,
+            self.view.snapshot(),
+            self.settings.strategy,
+            resolved.owners_k,
+            affinity=self.settings.affinity,
+            rng=self.rng if self.settings.strategy == "random" else None,
+        )
+
+    async def completion(self, request: Request, endpoint: str) -> Response:
+        request_id = request.headers.get("x-request-id", "")
+        if not _REQUEST_ID.fullmatch(request_id):  # the client's id only when it is a plain token
+            request_id = f"req-{uuid.uuid4().hex[:20]}"
+        try:
+            return await self._completion(request, endpoint, request_id)
+        except ApiError as e:
+            # refused at the gateway (auth, validation, rate limit, unknown model, no replica)
+            self.metrics.requests.labels(endpoint, str(e.status), "none").inc()
+            if e.status != 429:  # 429s are logged where they are decided
+                access_log.info(
+                    "request_id=%s status=%d code=%s path=%s: %s",
+                    request_id, e.status, e.code, request.url.path, _printable(e.message),
+                )  # fmt: skip
+            e.headers.setdefault("x-request-id", request_id)
+            raise
+
+    async def _completion(self, request: Request, endpoint: str, request_id: str) -> Response:
+        arrived = time.perf_counter()
+        tenant = await self.authenticate(request)
+        parsed = parse_request(endpoint, await request.body(), self.settings.default_max_tokens)
+        limit = self.limiter.check(
+            tenant.tenant_id,
+            requests_per_s=tenant.requests_per_s or self.settings.default_requests_per_s,
+            tokens_per_s=tenant.tokens_per_s or self.settings.default_tokens_per_s,
+            tokens=parsed.cost,
+        )
+        if not limit.allowed:
+            self.metrics.rate_limited.inc()
+            access_log.info(
+                "request_id=%s tenant=%s model=%s status=429 rate_limited retry_after=%.2f",
+                request_id, tenant.tenant_id, _printable(parsed.model), limit.retry_after,
+            )  # fmt: skip
+            raise ApiError(
+                429,
+                f"Rate limit reached for tenant {tenant.tenant_id}; retry after {limit.headers['retry-after']} s.",
+                type_="rate_limit_error",  # what OpenAI clients map to RateLimitError with the 429
+                code="rate_limit_exceeded",
+                headers=limit.headers,
+            )
+        try:
+            resolved = self.catalog.resolve(tenant.tenant_id, parsed.model)
+        except ModelNotFound as e:
+            self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
+            access_log.info("request_id=%s tenant=%s model=%s status=404 model_not_found",
+                            request_id, tenant.tenant_id, _printable(parsed.model))  # fmt: skip
+            raise ApiError(404, str(e), code="model_not_found", param="model", headers=limit.headers) from None
+        ranked = self.route(resolved, parsed.cost)
+        body = dict(parsed.body)
+        body["model"] = resolved.upstream_model
+        payload = json.dumps(body, separators=(",", ":")).encode()
+
+        base_headers = {"x-request-id": request_id, **limit.headers}
+        if resolved.adapter_id:
+            base_headers["x-adapter-id"] = resolved.adapter_id
+        if not ranked:
+            self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
+            raise ApiError(
+                503,
+                f"No replica serves the model `{parsed.model}` right now.",
+                type_="server_error",
+                code="replica_unavailable",
+                headers=base_headers,
+            )
+
+        # count the request against its first choice at once, so concurrent routing sees it
+        first = ranked[0].replica_id
+        self.view.acquire(first, parsed.cost)
+        self.metrics.in_flight.inc()
+        try:
+            outcome = await self.proxy.open(
+                ranked,
+                UPSTREAM_PATH[endpoint],
+                payload,
+                request_id=request_id,
+                tenant_id=tenant.tenant_id,
+                read_whole_body=not parsed.stream,
+            )
+        except BaseException:
+            self.view.release(first, parsed.cost)
+            self.metrics.in_flight.dec()
+            raise
+        if isinstance(outcome, Failed):
+            self.view.release(first, parsed.cost)
+            self.metrics.in_flight.dec()
+            self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
+            e2e = time.perf_counter() - arrived
+            self.metrics.requests.labels(endpoint, str(outcome.status_code), "none").inc()
+            self._log(request_id, tenant, parsed, resolved, None, outcome.status_code, "none", None, e2e,
+                      attempts=outcome.attempts)  # fmt: skip
+            headers = {**outcome.headers, **base_headers}
+            return Response(
+                content=outcome.body,
+                status_code=outcome.status_code,
+                headers=headers,
+                media_type=outcome.headers.get("content-type", "application/json"),
+            )
+        # the replica that answered may differ from the first choice: move the in-flight count
+        if outcome.ranked.replica_id != first:
+            self.view.release(first, parsed.cost)
+            self.view.acquire(outcome.ranked.replica_id, parsed.cost)
+        return await self._respond(outcome, request_id, tenant, parsed, resolved, base_headers, arrived, endpoint)
+
+    async def _respond(
+        self,
+        opened: Opened,
+        request_id: str,
+        tenant: Tenant,
+        parsed: ParsedRequest,
+        resolved: Resolved,
+        base_headers: dict[str, str],
+        arrived: float,
+        endpoint: str,
+    ) -> Response:
+        tier = opened.response.headers.get("x-adapter-tier") or ("base" if resolved.kind == "base" else "unknown")
+        route_class = opened.ranked.route_class
+        headers = opened.passthrough_headers()
+        headers.update(base_headers)
+        headers["x-replica-id"] = opened.ranked.replica_id
+        headers["x-route-class"] = route_class
+        if resolved.adapter_id:
+            headers["x-adapter-id"] = resolved.adapter_id  # the gateway's resolution is authoritative
+        status = opened.status_code
+        scanner = UsageScanner()
+        replica_id = opened.ranked.replica_id
+
+        def done(outcome: str) -> None:
+            e2e = time.perf_counter() - arrived
+            self.view.release(replica_id, parsed.cost)
+            self.metrics.in_flight.dec()
+            ok = outcome == "ok"
+            if outcome == "upstream_error":
+                self.metrics.stream_errors.inc()
+            label = str(status) if ok else outcome
+            self.metrics.requests.labels(endpoint, label, route_class).inc()
+            if status < 400 and ok:
+                self.metrics.e2e.labels(tier, route_class).observe(e2e)
+            if status < 400 and parsed.stream:
+                # time to the first generated token (a replica may send an empty role chunk first)
+                ttft = (scanner.first_token_at or opened.first_byte_at) - arrived
+                self.metrics.ttft.labels(tier, route_class).observe(ttft)
+                self.slo.record(tenant.tenant_id, ttft)
+            usage = scanner.usage or {}
+            if isinstance(usage.get("total_tokens"), int):
+                actual = usage["total_tokens"]
+            elif status < 400:
+                actual = parsed.prompt_tokens + scanner.content_events
+            else:
+                actual = 0
+            self.limiter.settle(tenant.tenant_id, parsed.cost, actual)
+            if resolved.adapter_id and status < 400:
+                self.stats.record(resolved.adapter_id, actual, gpu_hit=(tier == "gpu"))
+            ttft_log = ((scanner.first_token_at or opened.first_byte_at) - arrived) if parsed.stream else None
+            self._log(request_id, tenant, parsed, resolved, opened.ranked, label, route_class, tier, e2e,
+                      attempts=opened.attempts, ttft=ttft_log, tokens=actual)  # fmt: skip
+
+        media_type = opened.response.headers.get("content-type", "application/json")
+        if opened.streaming:
+            headers.setdefault("cache-control", "no-cache")
+            headers["x-accel-buffering"] = "no"
+        headers.pop("content-type", None)
+        if not parsed.stream:
+            # the whole answer is already here (read before committing, for failover): send it
+            # as one plain response with a Content-Length
+            await opened.aclose()
+            scanner.feed_json(opened.first)
+            done("ok")
+            return Response(content=opened.first, status_code=status, headers=headers, media_type=media_type)
+        return Stream(
+            content=self.proxy.relay(opened, scanner, done),
+            status_code=status,
+            headers=headers,
+            media_type=media_type,
+        )
+
+    def _log(
+        self,
+        request_id: str,
+        tenant: Tenant,
+        parsed: ParsedRequest,
+        resolved: Resolved,
+        ranked: RankedReplica | None,
+        status: int,
+        route_class: str,
+        tier: str | None,
+        e2e: float,
+        *,
+        attempts: int,
+        ttft: float | None = None,
+        tokens: int | None = None,
+    ) -> None:
+        access_log.info(
+            "request_id=%s tenant=%s model=%s adapter_id=%s replica=%s class=%s tier=%s status=%s "
+            "attempts=%d stream=%s ttft_ms=%s e2e_ms=%.1f tokens=%s",
+            request_id, tenant.tenant_id, _printable(parsed.model), resolved.adapter_id or "-",
+            ranked.replica_id if ranked else "-", route_class, tier or "-", status, attempts,
+            parsed.stream, f"{ttft * 1000:.1f}" if ttft is not None else "-", e2e * 1000,
+            tokens if tokens is not None else "-",
+        )  # fmt: skip
+
+    def health(self) -> tuple[int, dict]:
+        snap = self.view.snapshot()
+        body = {
+            "status": "ok" if self.view.table_loaded else "starting",
+            "routing_table_version": self.view.table.version,
+            "replicas": len(snap.replicas),
+            "replicas_healthy": sum(1 for r in snap.replicas if r.healthy),
+            "replicas_possibly_warm": sum(1 for r in snap.replicas if r.healthy and not r.state_fresh),
+            "strategy": self.settings.strategy,
+        }
+        return (200 if self.view.table_loaded else 503), body
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """Client-supplied text made safe for a one-line log record."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+# -- Litestar wiring ----------------------------------------------------------------------------
+
+
+def _core(request: Request) -> RouterCore:
+    return request.app.state.core
+
+
+def _error_response(e: ApiError) -> Response:
+    return Response(content=e.to_bytes(), status_code=e.status, headers=e.headers, media_type="application/json")
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    return await _core(request).completion(request, CHAT)
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response:
+    return await _core(request).completion(request, COMPLETIONS)
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> Response:
+    core = _core(request)
+    tenant = await core.authenticate(request)
+    return Response(content=json.dumps(core.models(tenant)).encode(), media_type="application/json")
+
+
+@get("/health")
+async def health(request: Request) -> Response:
+    status, body = _core(request).health()
+    return Response(content=json.dumps(body).encode(), status_code=status, media_type="application/json")
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    core = _core(request)
+    return Response(content=core.metrics.render(), media_type=core.metrics.content_type)
+
+
+def _api_error_handler(request: Request, exc: ApiError) -> Response:
+    return _error_response(exc)
+
+
+def _http_error_handler(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    if status == 404:
+        err = ApiError(404, f"Unknown path {request.url.path}", code="not_found")
+    elif status == 405:
+        err = ApiError(405, f"Method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+    else:
+        err = ApiError(status, str(exc.detail), type_="invalid_request_error" if status < 500 else "server_error")
+    return _error_response(err)
+
+
+def _internal_error_handler(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(ApiError(500, "Internal error in the router.", type_="server_error", code="internal_error"))
+
+
+def create_app(
+    settings: RouterSettings | None = None,
+    *,
+    registry: RegistryClient | None = None,
+    http: httpx.AsyncClient | None = None,
+) -> Litestar:
+    """The router app. `registry`/`http` may be injected (tests); by default they are built from
+    `settings` and closed at shutdown."""
+    settings = settings or RouterSettings()
+    core = RouterCore(settings, registry=registry, http=http)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await core.start()
+        try:
+            yield
+        finally:
+            await core.stop()
+
+    app = Litestar(
+        route_handlers=[chat_completions, completions, list_models, health, metrics],
+        lifespan=[lifespan],
+        exception_handlers={
+            ApiError: _api_error_handler,
+            HTTPException: _http_error_handler,
+            Exception: _internal_error_handler,
+        },
+        openapi_config=None,
+        logging_config=None,  # leave logging to the process (CLI) and to pytest
+        debug=False,
+    )
+    app.state.core = core
+    return app

@@ -1,0 +1,152 @@
+"""`GET /v1/models` and model-name resolution for one tenant.
+
+The catalog is the de-duplicated union of the models every routable replica serves (base and
+embedding models from its last state report, else from its registry entry), rebuilt when the view
+changes (at the state-poll cadence) and served from cache, plus the caller's own aliases with
+`parent` = their base model (vLLM's convention for adapters).
+
+Resolution: a tenant reaches its own aliases, its own adapter ids and the base models; anything
+else, existing or not, is `model_not_found` (the same answer either way, so a tenant cannot probe
+for another's names)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from router.view import ReplicaView, RoutingTable
+
+OWNED_BY = "lorafarm"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a request's `model` names, for one tenant."""
+
+    requested: str
+    kind: str  # "adapter" | "base"
+    upstream_model: str  # the `model` sent to the replica: the adapter id or the base model name
+    adapter_id: str | None = None
+    alias: str | None = None
+    base_model_hash: str | None = None
+    base_model_name: str | None = None
+    owners_k: int = 2
+
+
+class ModelNotFound(Exception):
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist or you do not have access to it.")
+        self.model = model
+
+
+class Catalog:
+    def __init__(self, view: ReplicaView, default_owners_k: int = 2):
+        self.view = view
+        self.default_owners_k = default_owners_k
+        self._built_for = -1
+        self._base: list[dict] = []
+        self._served: set[str] = set()
+        self._hash_names: dict[str, str] = {}
+        self._created = int(time.time())
+
+    # -- union of replica models, cached ---------------------------------------------------
+
+    def _refresh(self) -> None:
+        if self._built_for == self.view.catalog_version:
+            return
+        served: dict[str, str] = {}  # model name -> base_model_hash of a replica serving it
+        for e in self.view.routable():
+            models = list(e.state.models) if e.state is not None and e.state.models else list(e.models)
+            h = (e.state.base_model_hash if e.state is not None else "") or e.base_model_hash
+            for m in models:
+                served.setdefault(m, h)
+        table = self.view.table
+        hash_names: dict[str, str] = {}
+        for name, h in sorted(table.base_models.items()):
+            hash_names.setdefault(h, name)
+        for name, h in sorted(served.items()):
+            if h:
+                hash_names.setdefault(h, name)
+        self._served = set(served)
+        self._hash_names = hash_names
+        self._base = [
+            {"id": name, "object": "model", "created": self._created, "owned_by": OWNED_BY}
+            for name in sorted(served)
+        ]
+        self._built_for = self.view.catalog_version
+
+    def base_models(self) -> list[dict]:
+        self._refresh()
+        return list(self._base)
+
+    def base_name_for_hash(self, base_model_hash: str) -> str | None:
+        self._refresh()
+        return self._hash_names.get(base_model_hash)
+
+    def models_for(self, tenant_id: str) -> dict:
+        """The OpenAI list answer for `tenant_id`."""
+        self._refresh()
+        table = self.view.table
+        data = list(self._base)
+        for alias in table.tenant_aliases.get(tenant_id, ()):
+            adapter_id = table.aliases[alias]["adapter_id"]
+            adapter = table.adapters.get(adapter_id)
+            if adapter is None or not _active(adapter):
+                continue
+            data.append(
+                {
+                    "id": alias,
+                    "object": "model",
+                    "created": self._created,
+                    "owned_by": tenant_id,
+                    "root": adapter_id,
+                    "parent": self._hash_names.get(str(adapter.get("base_model_hash") or "")),
+                }
+            )
+        return {"object": "list", "data": data}
+
+    # -- resolution -------------------------------------------------------------------------
+
+    def resolve(self, tenant_id: str, model: str) -> Resolved:
+        self._refresh()
+        table: RoutingTable = self.view.table
+        alias = table.aliases.get(model)
+        if alias is not None:
+            if alias.get("tenant_id") != tenant_id:
+                raise ModelNotFound(model)
+            return self._adapter(tenant_id, model, str(alias.get("adapter_id") or ""), alias=model)
+        if model in table.adapters:
+            return self._adapter(tenant_id, model, model)
+        if model in table.base_models or model in self._served:
+            h = table.base_models.get(model)
+            return Resolved(
+                requested=model, kind="base", upstream_model=model, base_model_hash=h, base_model_name=model
+            )
+        raise ModelNotFound(model)
+
+    def _adapter(self, tenant_id: str, requested: str, adapter_id: str, alias: str | None = None) -> Resolved:
+        adapter = self.view.table.adapters.get(adapter_id)
+        if adapter is None or adapter.get("tenant_id") != tenant_id or not _active(adapter):
+            raise ModelNotFound(requested)
+        h = str(adapter.get("base_model_hash") or "")
+        try:
+            k = int(adapter.get("owners_k") or self.default_owners_k)
+        except (TypeError, ValueError):
+            k = self.default_owners_k
+        return Resolved(
+            requested=requested,
+            kind="adapter",
+            upstream_model=adapter_id,
+            adapter_id=adapter_id,
+            alias=alias,
+            base_model_hash=h or None,
+            base_model_name=self._hash_names.get(h),
+            owners_k=max(1, k),
+        )
+
+
+def _active(adapter: dict) -> bool:
+    return str(adapter.get("status") or "active").lower() not in _INACTIVE
+
+
+_INACTIVE = {"deleted", "disabled", "revoked", "failed", "archived", "quarantined", "inactive"}

@@ -1,0 +1,81 @@
+"""`lorafarm router`: the OpenAI-compatible gateway in front of the replicas."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def _router(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from lorafarm.errors import CliError
+    from router.app import create_app
+    from router.config import RouterSettings
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    try:
+        settings = RouterSettings(
+            registry_url=args.registry,
+            admin_token=args.admin_token,
+            strategy=args.strategy,
+            affinity=not args.no_affinity,
+            poll_interval=args.poll_interval,
+            routing_poll_interval=args.routing_poll_interval,
+            health_failures=args.health_failures,
+            load_threshold_tokens=args.load_threshold_tokens,
+            stats_window=args.stats_window,
+            slo_ttft_target=args.slo_ttft,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if not settings.admin_token:
+        raise CliError("no admin token: pass --admin-token or set LORAFARM_ADMIN_TOKEN")
+    app = create_app(settings)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: make that a clean exit 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=10)
+    return 0
+
+
+def register(sub) -> None:
+    from router.config import STRATEGIES
+
+    p = sub.add_parser("router", help="run the OpenAI-compatible router (gateway) in front of the replicas")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    p.add_argument(
+        "--registry",
+        default=os.environ.get("LORAFARM_REGISTRY_URL") or "http://127.0.0.1:8100",
+        help="registry base URL (default $LORAFARM_REGISTRY_URL or http://127.0.0.1:8100)",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("LORAFARM_ADMIN_TOKEN"),
+        help="bearer token for the registry and the replicas (default $LORAFARM_ADMIN_TOKEN)",
+    )
+    p.add_argument("--strategy", choices=STRATEGIES, default="least_tokens",
+                   help="order within a readiness class (default least_tokens)")  # fmt: skip
+    p.add_argument("--no-affinity", action="store_true",
+                   help="ignore warm/owner classes: the strategy alone (A/B baseline)")  # fmt: skip
+    p.add_argument("--poll-interval", type=float, default=1.0, help="replica state poll, seconds (default 1.0)")
+    p.add_argument("--routing-poll-interval", type=float, default=1.0,
+                   help="registry routing-table poll, seconds (default 1.0)")  # fmt: skip
+    p.add_argument("--health-failures", type=int, default=3,
+                   help="failed health checks in a row before a replica leaves routing (default 3)")  # fmt: skip
+    p.add_argument("--load-threshold-tokens", type=int, default=8192,
+                   help="tokens in flight per unit of capacity above which a replica spills (default 8192)")  # fmt: skip
+    p.add_argument("--stats-window", type=float, default=10.0,
+                   help="seconds between per-adapter stats pushes to the registry (default 10)")  # fmt: skip
+    p.add_argument("--slo-ttft", type=float, default=float(os.environ.get("LORAFARM_SLO_TTFT_TARGET") or 1.0),
+                   help="per-tenant p95 TTFT target in seconds (default 1.0)")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_router)

@@ -1,0 +1,80 @@
+"""Router settings: one dataclass, filled from CLI flags whose defaults come from `LORAFARM_*`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from router.routing import STRATEGIES
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw not in (None, "") else default
+
+
+@dataclass
+class RouterSettings:
+    """Everything `create_app()` needs. Defaults are the production values; tests shorten the
+    intervals. Times are seconds."""
+
+    registry_url: str = field(
+        default_factory=lambda: os.environ.get("LORAFARM_REGISTRY_URL", "http://127.0.0.1:8100")
+    )
+    # bearer token for the registry's /internal/* endpoints and for every replica call
+    admin_token: str | None = field(default_factory=lambda: os.environ.get("LORAFARM_ADMIN_TOKEN") or None)
+
+    # routing
+    strategy: str = "least_tokens"
+    affinity: bool = True  # False: the strategy alone over every healthy replica (the A/B baseline)
+    # a replica is over its load threshold at load_threshold_tokens x capacity_weight tokens in
+    # flight, or at load_threshold_queue requests waiting; then its warm/owner class is skipped
+    load_threshold_tokens: int = 8192
+    load_threshold_queue: int = 16
+    default_owners_k: int = 2  # when the routing table does not carry owners_k for an adapter
+
+    # replica view
+    poll_interval: float = 1.0  # GET /internal/replicas/{id}/state cadence
+    state_timeout: float = 2.0
+    health_timeout: float = 2.0
+    health_failures: int = 3  # consecutive failed health checks before a replica is taken out
+    routing_poll_interval: float = 1.0  # GET /internal/routing (with ETag) cadence
+    registry_timeout: float = 5.0
+
+    # proxy
+    connect_timeout: float = 2.0
+    first_byte_timeout: float = 120.0  # replica accepted the request but has not answered yet
+    read_timeout: float = 300.0  # between two chunks once streaming
+    max_attempts: int = 3  # replicas tried before the first byte
+    max_connections: int = 1024
+
+    # auth cache
+    auth_ttl: float = 30.0
+    auth_negative_ttl: float = 5.0
+    auth_stale_grace: float = 300.0  # serve a cached tenant this long if the registry is down
+
+    # rate limits (per tenant; the registry's values win, these apply where it has none)
+    default_requests_per_s: float | None = None  # None = unlimited
+    default_tokens_per_s: float | None = None
+    burst_seconds: float = 1.0  # bucket capacity = rate x burst_seconds (at least one request)
+    default_max_tokens: int = 256  # token cost of a request that sets no max_tokens
+
+    # SLO
+    slo_ttft_target: float = field(default_factory=lambda: _env_float("LORAFARM_SLO_TTFT_TARGET", 1.0))
+    slo_window: float = 300.0
+    slo_min_samples: int = 10
+    slo_eval_interval: float = 1.0
+
+    # stats pushed to the registry
+    stats_window: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.poll_interval <= 0 or self.routing_poll_interval <= 0:
+            raise ValueError("poll intervals must be positive")
+        if self.health_failures < 1:
+            raise ValueError("health_failures must be at least 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.registry_url = self.registry_url.rstrip("/")

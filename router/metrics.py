@@ -1,0 +1,98 @@
+"""Prometheus metrics of the router, in the vLLM naming style with the `lorafarm_router_` prefix.
+Each app gets its own CollectorRegistry, so several routers can live in one process (tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.routing import ReplicaSnapshot
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        labels = ["tier", "route_class"]
+        self.ttft = Histogram(
+            "lorafarm_router_time_to_first_token_seconds",
+            "Request arrival at the router to the first streamed byte to the client, streamed requests",
+            labels, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "lorafarm_router_e2e_request_latency_seconds",
+            "Request arrival at the router to the last byte",
+            labels, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "lorafarm_router_requests", "Requests answered, by endpoint, HTTP status and routing class",
+            ["endpoint", "status", "route_class"], registry=r,
+        )  # fmt: skip
+        self.failovers = Counter(
+            "lorafarm_router_failovers", "Replica attempts that failed before the first byte and moved on",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.stream_errors = Counter(
+            "lorafarm_router_stream_errors", "Streams that broke after the first byte (client got an error event)",
+            registry=r,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            "lorafarm_router_rate_limited", "Requests refused with 429 by the per-tenant buckets", registry=r
+        )
+        self.in_flight = Gauge("lorafarm_router_num_requests_running", "Requests being proxied now", registry=r)
+        self.tenant_ttft_p95 = Gauge(
+            "lorafarm_router_tenant_ttft_p95_seconds", "Per-tenant p95 TTFT over the SLO window", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_slo_breached = Gauge(
+            "lorafarm_router_tenant_ttft_slo_breached", "1 while the tenant's p95 TTFT is above the target",
+            ["tenant"], registry=r,
+        )  # fmt: skip
+        self.replica_healthy = Gauge(
+            "lorafarm_router_replica_healthy", "1 while the replica is routable", ["replica"], registry=r
+        )
+        self.replica_state_fresh = Gauge(
+            "lorafarm_router_replica_state_fresh", "1 when the last state poll succeeded (0: possibly warm)",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.replica_tokens = Gauge(
+            "lorafarm_router_replica_tokens_in_flight", "Tokens in flight per replica as routing sees them",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.routing_version = Gauge(
+            "lorafarm_router_routing_table_version", "Version of the registry routing table in use", registry=r
+        )
+        self.registry_errors = Counter(
+            "lorafarm_router_registry_errors", "Failed registry calls", ["call"], registry=r
+        )
+
+    def observe_replica(self, s: ReplicaSnapshot) -> None:
+        self.replica_healthy.labels(s.replica_id).set(1 if s.healthy else 0)
+        self.replica_state_fresh.labels(s.replica_id).set(1 if s.state_fresh else 0)
+        self.replica_tokens.labels(s.replica_id).set(s.tokens_in_flight)
+
+    def forget_replica(self, replica_id: str) -> None:
+        for g in (self.replica_healthy, self.replica_state_fresh, self.replica_tokens):
+            try:
+                g.remove(replica_id)
+            except KeyError:
+                pass
+
+    def set_tenant_slo(self, tenant: str, p95: float | None, breached: bool) -> None:
+        if p95 is None:
+            for g in (self.tenant_ttft_p95, self.tenant_slo_breached):
+                try:
+                    g.remove(tenant)
+                except KeyError:
+                    pass
+            return
+        self.tenant_ttft_p95.labels(tenant).set(p95)
+        self.tenant_slo_breached.labels(tenant).set(1 if breached else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

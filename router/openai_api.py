@@ -1,0 +1,135 @@
+"""The OpenAI-shaped edges of the router: request validation, token estimates, error objects."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+UPSTREAM_PATH = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+
+
+class ApiError(Exception):
+    """An OpenAI error answer: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    endpoint: str
+    body: dict
+    model: str
+    stream: bool
+    prompt_tokens: int  # estimate
+    max_tokens: int
+    n: int
+
+    @property
+    def cost(self) -> int:
+        """Tokens charged to the tenant's bucket up front: prompt + max_tokens (x n)."""
+        return self.prompt_tokens + self.max_tokens * self.n
+
+
+def _text_tokens(text: str) -> int:
+    # no tokenizer at the gateway: ~4 characters per token, the usual English estimate
+    return math.ceil(len(text) / 4) if text else 0
+
+
+def _content_tokens(content) -> int:
+    if isinstance(content, str):
+        return _text_tokens(content)
+    if isinstance(content, list):
+        total = 0
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                total += _text_tokens(part["text"])
+            elif isinstance(part, str):
+                total += _text_tokens(part)
+        return total
+    return 0
+
+
+def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
+    if endpoint == CHAT:
+        return sum(4 + _content_tokens(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _text_tokens(prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(p, int) for p in prompt):
+            return len(prompt)
+        total = 0
+        for p in prompt:
+            if isinstance(p, str):
+                total += _text_tokens(p)
+            elif isinstance(p, list):
+                total += len(p)
+        return total
+    return 0
+
+
+def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedRequest:
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        raise ApiError(400, "The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+    else:
+        if "prompt" not in body or body["prompt"] is None:
+            raise ApiError(400, "you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ApiError(400, "'max_tokens' must be a positive integer", param="max_tokens")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ApiError(400, "'n' must be a positive integer", param="n")
+    return ParsedRequest(
+        endpoint=endpoint,
+        body=body,
+        model=model,
+        stream=stream,
+        prompt_tokens=estimate_prompt_tokens(endpoint, body),
+        max_tokens=max_tokens,
+        n=n,
+    )

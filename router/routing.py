@@ -1,0 +1,206 @@
+"""Replica choice as a pure function: `choose(request, view, strategy, k) -> ranked replicas`.
+
+No I/O and no clock: the same inputs give the same ranking (the `random` strategy takes its
+generator as an argument), so the fleet simulator runs this exact code.
+
+Rules (DESIGN.md section 5):
+- candidates are the replicas that serve the request's base model (by base_model_hash, or a base
+  model name listed in the replica's models) and are healthy; replicas whose state could not be
+  fetched keep their last known state ("possibly warm") and stay candidates until their health
+  check fails;
+- classes, best first: adapter on the device (gpu) > in host RAM (ram) > rendezvous owner
+  (top-k over the candidates with the registry's owners_k) > any other candidate (cold);
+- the strategy orders replicas within a class: least_tokens (default), least_connections,
+  weighted (tokens in flight per unit of capacity), random;
+- a replica over its load threshold drops behind the warm and owner replicas that are not; when
+  every warm or owner replica is over it, the least loaded candidate is tried first (spill);
+- if no candidate is healthy, the unhealthy ones are returned as a last resort (a replica whose
+  health checks failed may have come back; a refused connection costs little).
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lorafarm.rendezvous import owners as rendezvous_owners
+from lorafarm.rendezvous import score as rendezvous_score
+
+STRATEGIES = ("least_tokens", "least_connections", "weighted", "random")
+
+# readiness classes, best first
+GPU, RAM, OWNER, ANY, BASE = "gpu", "ram", "owner", "any", "base"
+_CLASS_RANK = {GPU: 0, RAM: 1, OWNER: 2, BASE: 2, ANY: 3}
+# routing class as reported in metrics and logs
+ROUTE_CLASS = {GPU: "warm", RAM: "warm", BASE: "warm", OWNER: "owner", ANY: "cold"}
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """What the router knows about one replica at one instant."""
+
+    replica_id: str
+    url: str = ""
+    base_model_hash: str = ""
+    models: frozenset[str] = frozenset()
+    capacity_weight: float = 1.0
+    gpu_adapters: frozenset[str] = frozenset()
+    ram_adapters: frozenset[str] = frozenset()
+    tokens_in_flight: int = 0  # max(replica's last report, this router's own in-flight estimate)
+    connections: int = 0  # requests in flight (router's count or the replica's running + queued)
+    queue_depth: int = 0
+    healthy: bool = True  # False after N health checks failed in a row
+    state_fresh: bool = True  # False: last state fetch failed; lists above are the last known
+
+    def serves(self, request: RouteRequest) -> bool:
+        if request.base_model_hash and self.base_model_hash == request.base_model_hash:
+            return True
+        return bool(request.model_name) and request.model_name in self.models
+
+
+@dataclass(frozen=True)
+class ViewSnapshot:
+    """All replicas plus the load thresholds the router applies."""
+
+    replicas: tuple[ReplicaSnapshot, ...] = ()
+    load_threshold_tokens: int = 8192  # per unit of capacity_weight
+    load_threshold_queue: int = 16
+
+    def overloaded(self, r: ReplicaSnapshot) -> bool:
+        limit = self.load_threshold_tokens * max(r.capacity_weight, 1e-9)
+        return r.tokens_in_flight >= limit or r.queue_depth >= self.load_threshold_queue
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """One request as routing sees it. For an adapter request set adapter_id and its
+    base_model_hash; for a base model request set model_name (and its hash when known)."""
+
+    adapter_id: str | None = None
+    base_model_hash: str | None = None
+    model_name: str | None = None
+    owners_k: int = 2
+    tokens: int = 0  # estimated cost (prompt + max_tokens); informational
+
+
+@dataclass(frozen=True)
+class RankedReplica:
+    replica: ReplicaSnapshot
+    klass: str  # gpu | ram | owner | any | base
+    route_class: str  # warm | owner | spill | cold (metrics label)
+    overloaded: bool = False
+
+    @property
+    def replica_id(self) -> str:
+        return self.replica.replica_id
+
+
+@dataclass
+class _Scored:
+    replica: ReplicaSnapshot
+    klass: str
+    overloaded: bool
+    tiebreak: float = field(default=0.0)
+
+
+def _load(r: ReplicaSnapshot) -> float:
+    return r.tokens_in_flight / max(r.capacity_weight, 1e-9)
+
+
+def _strategy_key(strategy: str, s: _Scored) -> tuple:
+    r = s.replica
+    if strategy == "least_tokens":
+        return (r.tokens_in_flight, r.connections, s.tiebreak)
+    if strategy == "least_connections":
+        return (r.connections, r.tokens_in_flight, s.tiebreak)
+    if strategy == "weighted":
+        # tokens in flight per unit of capacity; when idle the bigger replica wins
+        return ((r.tokens_in_flight + 1) / max(r.capacity_weight, 1e-9), r.connections, s.tiebreak)
+    if strategy == "random":
+        return (s.tiebreak,)
+    raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+
+
+def choose(
+    request: RouteRequest,
+    view: ViewSnapshot | Sequence[ReplicaSnapshot],
+    strategy: str = "least_tokens",
+    k: int | None = None,
+    *,
+    affinity: bool = True,
+    rng: _random.Random | None = None,
+) -> list[RankedReplica]:
+    """Every replica worth trying for `request`, best first (the proxy fails over down the list).
+
+    `k` is the owner count (defaults to request.owners_k). `affinity=False` ignores the warm and
+    owner classes (the base strategy alone: the A/B baseline). `rng` feeds the random strategy and
+    the random tie-break; without it ties break by the rendezvous score, so equal replicas are not
+    always resolved in favour of the same one across adapters."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+    if not isinstance(view, ViewSnapshot):
+        view = ViewSnapshot(replicas=tuple(view))
+    k = request.owners_k if k is None else k
+    serving = [r for r in view.replicas if r.serves(request)]
+    pool = [r for r in serving if r.healthy] or serving  # last resort: unhealthy ones
+    if not pool:
+        return []
+    if strategy == "random" and rng is None:
+        rng = _random.Random()
+    key_seed = request.adapter_id or request.model_name or ""
+
+    def tiebreak(r: ReplicaSnapshot) -> float:
+        return rng.random() if rng is not None else -rendezvous_score(key_seed, r.replica_id)
+
+    adapter = request.adapter_id
+    owner_ids: set[str] = set()
+    if adapter and affinity:
+        weights = {r.replica_id: r.capacity_weight for r in pool}
+        owner_ids = set(rendezvous_owners(adapter, weights, max(1, k)))
+
+    scored: list[_Scored] = []
+    for r in pool:
+        if not adapter:
+            klass = BASE
+        elif not affinity:
+            klass = ANY
+        elif adapter in r.gpu_adapters:
+            klass = GPU
+        elif adapter in r.ram_adapters:
+            klass = RAM
+        elif r.replica_id in owner_ids:
+            klass = OWNER
+        else:
+            klass = ANY
+        scored.append(_Scored(r, klass, view.overloaded(r), tiebreak(r)))
+
+    def by_strategy(s: _Scored) -> tuple:
+        return _strategy_key(strategy, s)
+
+    if not affinity or not adapter:
+        # one class: the strategy alone, replicas over their threshold last
+        ordered = sorted(scored, key=lambda s: (s.overloaded, by_strategy(s)))
+        return [_ranked(s) for s in ordered]
+
+    def by_class(s: _Scored) -> tuple:
+        return (s.overloaded, _CLASS_RANK[s.klass], by_strategy(s))
+
+    ok = sorted((s for s in scored if s.klass != ANY and not s.overloaded), key=by_class)
+    if ok:
+        # warm/owner replicas under their threshold, then the others as failover
+        rest = sorted((s for s in scored if s.klass == ANY or s.overloaded), key=by_class)
+        return [_ranked(s) for s in ok + rest]
+    # every warm/owner replica is over its threshold: spill to the least loaded candidate
+    spill = min(scored, key=lambda s: (s.overloaded, _load(s.replica), s.replica.connections, s.tiebreak))
+    rest = sorted((s for s in scored if s is not spill), key=by_class)
+    return [_ranked(spill, route_class="spill" if spill.klass == ANY else None)] + [_ranked(s) for s in rest]
+
+
+def _ranked(s: _Scored, route_class: str | None = None) -> RankedReplica:
+    return RankedReplica(
+        replica=s.replica,
+        klass=s.klass,
+        route_class=route_class or ROUTE_CLASS[s.klass],
+        overloaded=s.overloaded,
+    )

@@ -1,0 +1,313 @@
+"""Rate limiter, SLO tracker, auth cache, catalog, request parsing."""
+
+import asyncio
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.auth import AuthCache, AuthUnavailable, InvalidApiKey
+from router.catalog import Catalog, ModelNotFound
+from router.openai_api import CHAT, COMPLETIONS, ApiError, parse_request
+from router.ratelimit import RateLimiter
+from router.slo import SloTracker, percentile
+from router.view import ReplicaView
+from tests.router.doubles import FakeRegistry, base_hash
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+# -- rate limiter -------------------------------------------------------------------------------
+
+
+def test_request_bucket_burst_then_refill():
+    clock = Clock()
+    rl = RateLimiter(burst_seconds=1.0, clock=clock)
+    results = [rl.check("a", requests_per_s=5, tokens_per_s=None, tokens=10) for _ in range(8)]
+    assert [r.allowed for r in results] == [True] * 5 + [False] * 3
+    denied = results[-1]
+    assert denied.headers["retry-after"] == "1"
+    assert 0 < denied.retry_after <= 0.2 + 1e-9
+    assert denied.headers["x-ratelimit-limit-requests"] == "5"
+    assert denied.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-reset-requests" in denied.headers
+    clock.t += 0.2
+    assert rl.check("a", requests_per_s=5, tokens_per_s=None, tokens=10).allowed
+    assert not rl.check("a", requests_per_s=5, tokens_per_s=None, tokens=10).allowed
+
+
+def test_tenants_are_independent_and_none_is_unlimited():
+    rl = RateLimiter(clock=Clock())
+    for _ in range(3):
+        rl.check("a", requests_per_s=1, tokens_per_s=None, tokens=1)
+    assert not rl.check("a", requests_per_s=1, tokens_per_s=None, tokens=1).allowed
+    assert rl.check("b", requests_per_s=1, tokens_per_s=None, tokens=1).allowed
+    assert all(rl.check("c", requests_per_s=None, tokens_per_s=None, tokens=10**6).allowed for _ in range(100))
+
+
+def test_token_bucket_counts_prompt_plus_max_tokens_and_nothing_taken_on_deny():
+    clock = Clock()
+    rl = RateLimiter(clock=clock)
+    assert rl.check("a", requests_per_s=100, tokens_per_s=1000, tokens=600).allowed
+    r = rl.check("a", requests_per_s=100, tokens_per_s=1000, tokens=600)
+    assert not r.allowed and r.retry_after == pytest.approx(0.2)
+    assert r.headers["x-ratelimit-remaining-tokens"] == "400"
+    assert r.headers["x-ratelimit-remaining-requests"] == "99"  # the denied request took nothing
+    clock.t += 0.2
+    assert rl.check("a", requests_per_s=100, tokens_per_s=1000, tokens=600).allowed
+
+
+def test_oversized_request_fits_a_full_bucket_then_debt():
+    clock = Clock()
+    rl = RateLimiter(clock=clock)
+    assert rl.check("a", requests_per_s=None, tokens_per_s=100, tokens=500).allowed
+    r = rl.check("a", requests_per_s=None, tokens_per_s=100, tokens=1)
+    assert not r.allowed and r.retry_after == pytest.approx(4.01)
+    assert r.headers["retry-after"] == "5"
+
+
+def test_settle_refunds_unused_estimate():
+    clock = Clock()
+    rl = RateLimiter(clock=clock)
+    assert rl.check("a", requests_per_s=None, tokens_per_s=1000, tokens=900).allowed
+    assert not rl.check("a", requests_per_s=None, tokens_per_s=1000, tokens=900).allowed
+    rl.settle("a", 900, 100)
+    assert rl.check("a", requests_per_s=None, tokens_per_s=1000, tokens=900).allowed
+
+
+def test_limit_change_applies():
+    clock = Clock()
+    rl = RateLimiter(clock=clock)
+    rl.check("a", requests_per_s=10, tokens_per_s=None, tokens=0)
+    r = rl.check("a", requests_per_s=2, tokens_per_s=None, tokens=0)
+    assert r.headers["x-ratelimit-limit-requests"] == "2"
+
+
+# -- SLO ----------------------------------------------------------------------------------------
+
+
+def test_percentile_nearest_rank():
+    assert percentile([1, 2, 3, 4], 50) == 2
+    assert percentile(list(range(1, 101)), 95) == 95
+    assert percentile([7.0], 95) == 7.0
+
+
+def test_slo_breach_logged_and_gauge_updated(caplog):
+    clock = Clock()
+    updates = {}
+    slo = SloTracker(target=1.0, window=60, min_samples=10, clock=clock,
+                     on_update=lambda t, p, b: updates.__setitem__(t, (p, b)))  # fmt: skip
+    for i in range(20):
+        slo.record("fast", 0.1)
+        slo.record("slow", 0.5 if i < 15 else 3.0)  # p95 = 3.0
+    with caplog.at_level(logging.WARNING, logger="lorafarm.router.slo"):
+        out = slo.evaluate()
+    assert out["slow"].breached and out["slow"].p95 == 3.0
+    assert not out["fast"].breached
+    assert updates["slow"] == (3.0, True) and updates["fast"] == (0.1, False)
+    assert any("tenant slow TTFT p95 3.000 s above" in m for m in caplog.messages)
+    assert not any("fast" in m for m in caplog.messages)
+    # not re-logged every second while it stays breached
+    caplog.clear()
+    clock.t += 1
+    with caplog.at_level(logging.WARNING, logger="lorafarm.router.slo"):
+        slo.evaluate()
+    assert not caplog.messages
+    # window slides: old slow samples fall out, the tenant recovers and is forgotten
+    clock.t += 61
+    slo.evaluate()
+    assert updates["slow"] == (None, False)
+    assert slo.p95("slow") is None
+
+
+def test_slo_needs_min_samples():
+    slo = SloTracker(target=0.5, min_samples=5, clock=Clock())
+    for _ in range(4):
+        slo.record("t", 9.0)
+    assert not slo.evaluate()["t"].breached
+
+
+# -- auth cache ---------------------------------------------------------------------------------
+
+
+async def test_auth_cache_ttl_negative_cache_and_single_flight():
+    clock = Clock()
+    calls = []
+
+    async def verify(key):
+        calls.append(key)
+        await asyncio.sleep(0.01)
+        return {"tenant_id": "acme", "key_id": "k1", "requests_per_s": 5, "tokens_per_s": None} if key == "good" else None
+
+    cache = AuthCache(verify, ttl=30, negative_ttl=5, clock=clock)
+    tenants = await asyncio.gather(*(cache.tenant_for("good") for _ in range(10)))
+    assert {t.tenant_id for t in tenants} == {"acme"} and tenants[0].requests_per_s == 5.0
+    assert calls == ["good"]  # ten concurrent requests, one registry call
+    await cache.tenant_for("good")
+    assert calls == ["good"]
+    clock.t += 31
+    await cache.tenant_for("good")
+    assert calls == ["good", "good"]
+    for _ in range(3):
+        with pytest.raises(InvalidApiKey):
+            await cache.tenant_for("bad")
+    assert calls.count("bad") == 1
+    clock.t += 6
+    with pytest.raises(InvalidApiKey):
+        await cache.tenant_for("bad")
+    assert calls.count("bad") == 2
+    with pytest.raises(InvalidApiKey):
+        await cache.tenant_for("")
+
+
+async def test_auth_cache_registry_down():
+    clock = Clock()
+    state = {"down": False}
+
+    async def verify(key):
+        if state["down"]:
+            raise ConnectionError("registry down")
+        return {"tenant_id": "acme"}
+
+    cache = AuthCache(verify, ttl=10, stale_grace=100, clock=clock)
+    await cache.tenant_for("k")
+    state["down"] = True
+    clock.t += 50  # expired, registry down, within grace: the cached tenant still works
+    assert (await cache.tenant_for("k")).tenant_id == "acme"
+    clock.t += 200
+    with pytest.raises(AuthUnavailable):
+        await cache.tenant_for("k")
+    with pytest.raises(AuthUnavailable):  # never-seen key: 503, not a 401 it did not earn
+        await cache.tenant_for("other")
+
+
+# -- catalog ------------------------------------------------------------------------------------
+
+
+def _catalog():
+    reg = FakeRegistry()
+    a = reg.add_adapter("acme", "support", "dev-a", alias="acme/support:prod")
+    b = reg.add_adapter("beta", "sales", "dev-b", alias="beta/sales:prod")
+    reg.add_replica("r0", "http://r0", "dev-a")
+    reg.add_replica("r1", "http://r1", "dev-a")
+    reg.add_replica("r2", "http://r2", "dev-b")
+    view = ReplicaView(None)
+    view.apply_table(reg.table())
+    return reg, view, Catalog(view), a, b
+
+
+def test_catalog_union_dedup_and_aliases_with_parent():
+    reg, view, cat, a, b = _catalog()
+    acme = cat.models_for("acme")
+    assert acme["object"] == "list"
+    ids = [m["id"] for m in acme["data"]]
+    assert ids == ["dev-a", "dev-b", "acme/support:prod"]  # union de-duplicated, then own aliases
+    alias = acme["data"][-1]
+    assert alias["parent"] == "dev-a" and alias["root"] == a and alias["owned_by"] == "acme"
+    assert "beta/sales:prod" not in ids
+    assert [m["id"] for m in cat.models_for("nobody")["data"]] == ["dev-a", "dev-b"]
+
+
+def test_catalog_follows_the_view():
+    reg, view, cat, a, b = _catalog()
+    reg.remove_replica("r2")
+    view.apply_table(reg.table())
+    assert [m["id"] for m in cat.models_for("acme")["data"]] == ["dev-a", "acme/support:prod"]
+
+
+def test_resolution_is_tenant_scoped():
+    reg, view, cat, a, b = _catalog()
+    r = cat.resolve("acme", "acme/support:prod")
+    assert (r.kind, r.adapter_id, r.upstream_model, r.base_model_hash) == ("adapter", a, a, base_hash("dev-a"))
+    assert cat.resolve("acme", a).adapter_id == a
+    base = cat.resolve("acme", "dev-b")
+    assert (base.kind, base.upstream_model) == ("base", "dev-b")
+    messages = set()
+    for model in ["beta/sales:prod", b, "acme/nosuch:prod", "ad-00000000000000000000", "gpt-4"]:
+        with pytest.raises(ModelNotFound) as exc:
+            cat.resolve("acme", model)
+        messages.add(str(exc.value).replace(model, "X"))
+    assert len(messages) == 1  # the same answer whether the name exists or not
+
+
+def test_inactive_adapter_is_not_found():
+    reg, view, cat, a, b = _catalog()
+    reg.adapters[a]["status"] = "deleted"
+    view.apply_table(reg.table())
+    with pytest.raises(ModelNotFound):
+        cat.resolve("acme", "acme/support:prod")
+
+
+# -- request parsing ----------------------------------------------------------------------------
+
+
+def test_parse_and_estimate():
+    p = parse_request(CHAT, b'{"model":"m","messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":10}', 256)
+    assert (p.prompt_tokens, p.max_tokens, p.cost, p.stream) == (6, 10, 16, False)
+    p = parse_request(COMPLETIONS, b'{"model":"m","prompt":[1,2,3],"n":2,"stream":true}', 100)
+    assert (p.prompt_tokens, p.cost, p.stream) == (3, 203, True)
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"not json", None),
+        (b"[]", None),
+        (b'{"messages":[{"role":"user","content":"x"}]}', "model"),
+        (b'{"model":"m"}', "messages"),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}', "max_tokens"),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}', "stream"),
+    ],
+)
+def test_parse_rejects(raw, param):
+    with pytest.raises(ApiError) as exc:
+        parse_request(CHAT, raw, 16)
+    assert exc.value.status == 400 and exc.value.param == param
+    assert exc.value.body()["error"]["type"] == "invalid_request_error"
+
+
+# -- SSE relay helpers --------------------------------------------------------------------------
+
+
+def test_usage_scanner_and_event_boundary():
+    from router.proxy import UsageScanner, _event_boundary
+
+    assert _event_boundary(b"data: a\n\ndata: b") == len(b"data: a\n\n")
+    assert _event_boundary(b"data: a\r\n\r\n") == len(b"data: a\r\n\r\n")
+    assert _event_boundary(b"data: partial") == 0
+    sc = UsageScanner()
+    sc.feed_events(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+    assert sc.first_token_at is None  # the role chunk is not a token
+    sc.feed_events(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
+    assert sc.first_token_at is not None
+    sc.feed_events(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+                   b"data: [DONE]\n\n")  # fmt: skip
+    assert sc.usage["total_tokens"] == 5 and sc.content_events == 2
+    legacy = UsageScanner()
+    legacy.feed_events(b'data: {"choices":[{"index":0,"text":"x"}]}\n\n')
+    assert legacy.first_token_at is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=st.floats(0.5, 50),
+    gaps=st.lists(st.floats(0, 0.5), min_size=1, max_size=80),
+)
+def test_bucket_never_admits_more_than_capacity_plus_refill(rate, gaps):
+    clock = Clock(0.0)
+    rl = RateLimiter(burst_seconds=1.0, clock=clock)
+    admitted = 0
+    for gap in gaps:
+        clock.t += gap
+        r = rl.check("t", requests_per_s=rate, tokens_per_s=None, tokens=0)
+        admitted += r.allowed
+        if not r.allowed:
+            assert r.retry_after > 0 and int(r.headers["retry-after"]) >= 1
+    assert admitted <= max(rate, 1.0) + rate * clock.t + 1e-6
