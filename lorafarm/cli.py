@@ -13,6 +13,12 @@ from lorafarm.errors import CliError
 # Modules with a `register(subparsers)` function, in the order their commands are listed.
 COMMAND_MODULES = [
     "lorafarm.dev.cli",
+    "archives.cli",
+    "handler.cli",
+    "registry.cli",
+    "lorafarm.farm_cli",
+    "loadtests.cli",
+    "router.cli",
 ]
 
 
