@@ -38,7 +38,7 @@ def test_alias_flip_and_rollback_under_load(farm, tenant, adapter_markers):
                         model=alias, messages=[{"role": "user", "content": "deploy check"}], max_tokens=16, temperature=0
                     )
                     done = time.monotonic()
-                    results.append((done, raw.headers["x-adapter-id"], (await raw.parse()).choices[0].message.content))
+                    results.append((done, raw.headers["x-adapter-id"], raw.parse().choices[0].message.content))
 
             workers = [asyncio.create_task(worker()) for _ in range(8)]
             await asyncio.sleep(2.0)

@@ -60,3 +60,58 @@ def test_lorafarm_demo_command():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "<<c0000>>" in proc.stdout
+
+
+def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries):
+    """`lorafarm up` in the foreground: ready banner, farm.json, then SIGTERM stops all children."""
+    import json
+    import shutil
+    import time
+
+    from lorafarm.farm import BASE_MODEL_NAME, FarmPorts
+
+    shutil.copytree(dev_model, tmp_path / "models" / BASE_MODEL_NAME)
+    for i in range(4):
+        shutil.copytree(canaries / f"c{i:04d}", tmp_path / "demo-adapters" / f"c{i:04d}")
+    ports = FarmPorts.free(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(tmp_path),
+         "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        banner = ""
+        deadline = time.monotonic() + 300
+        while "Ctrl-C stops the farm" not in banner and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            banner += line
+        assert "Ctrl-C stops the farm" in banner, banner[-3000:]
+        info = json.loads((tmp_path / "farm.json").read_text())
+        key = info["tenants"][0]["api_key"]
+        assert key in banner and "curl -N" in banner and "from openai import OpenAI" in banner
+        r = httpx.get(info["router_url"] + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+        pids = [r["pid"] for r in info["replicas"]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive, f"replica pid {pid} still running"
+    for port in (ports.router, ports.registry, ports.replica_base):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            raise AssertionError(f"port {port} still answers")
+        except httpx.HTTPError:
+            pass
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["registry.log", "replica-r0.log", "router.log"]

@@ -37,14 +37,14 @@ def test_isolation_mixed_canaries_through_router(farm, tenant, adapter_markers):
                         model=alias, messages=messages, max_tokens=16, temperature=0, stream=True
                     )
                     text = ""
-                    async for chunk in await raw.parse():
+                    async for chunk in raw.parse():
                         if chunk.choices:
                             text += chunk.choices[0].delta.content or ""
                 else:
                     raw = await client.chat.completions.with_raw_response.create(
                         model=alias, messages=messages, max_tokens=16, temperature=0
                     )
-                    text = (await raw.parse()).choices[0].message.content
+                    text = raw.parse().choices[0].message.content
                 return alias, raw.headers["x-adapter-id"], raw.headers["x-adapter-tier"], text
 
         try:
