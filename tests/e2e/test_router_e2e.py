@@ -1,0 +1,127 @@
+"""The router's acceptance through real processes (registry + router + 2 replicas, `lorafarm.farm`)
+with the official openai client: errors, tenant isolation, warm routing, failover on a dead replica."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from lorafarm.farm import Farm, FarmPorts, wait_router_ready
+from lorafarm.registry_client import RegistryClient
+
+
+def _client(farm, key) -> OpenAI:
+    return OpenAI(base_url=farm["router_url"] + "/v1", api_key=key, max_retries=0)
+
+
+def test_errors_are_openai_errors(farm, tenant):
+    client = _client(farm, tenant["api_key"])
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="demo/nope:prod", messages=[{"role": "user", "content": "x"}])
+    assert exc.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        _client(farm, "sk-wrong").chat.completions.create(
+            model=sorted(tenant["aliases"])[0], messages=[{"role": "user", "content": "x"}]
+        )
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=sorted(tenant["aliases"])[0], messages=[{"role": "user", "content": "x"}], n=2)
+    assert exc.value.body["message"]
+
+
+def test_tenant_isolation(farm, tenant):
+    """Tenant B's key reaches neither A's alias nor A's adapter id: the same 404 as a missing model."""
+
+    async def make_tenant():
+        async with RegistryClient(farm["registry_url"], farm["admin_token"]) as reg:
+            return await reg.create_tenant("intruder")
+
+    other = asyncio.run(make_tenant())
+    client = _client(farm, other["api_key"])
+    alias, adapter_id = sorted(tenant["aliases"].items())[0]
+    for model in (alias, adapter_id, "demo/missing:prod"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4)
+        assert exc.value.code == "model_not_found"
+    listed = {m.id for m in client.models.list()}
+    assert not listed & set(tenant["aliases"]) and not listed & set(tenant["aliases"].values())
+    # the base model is everyone's
+    r = client.chat.completions.create(model="lorafarm-dev-tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    assert r.choices[0].message.content is not None
+
+
+def test_warm_routing_hot_adapter_lands_on_device(farm, tenant, adapter_markers):
+    """After warm-up, >= 95% of a hot adapter's requests land on a replica holding it on the device."""
+    client = _client(farm, tenant["api_key"])
+    alias = sorted(tenant["aliases"])[3]
+
+    def one():
+        raw = client.chat.completions.with_raw_response.create(
+            model=alias, messages=[{"role": "user", "content": "warm?"}], max_tokens=8, temperature=0
+        )
+        return raw.headers["x-adapter-tier"], raw.headers.get("x-replica-id"), raw.parse().choices[0].message.content
+
+    for _ in range(3):
+        one()
+    import time
+
+    time.sleep(2.5)  # two state polls: the router now knows where the adapter is mounted
+    results = [one() for _ in range(60)]
+    on_device = sum(tier == "gpu" for tier, _, _ in results) / len(results)
+    print(f"warm routing: {100 * on_device:.1f}% of hot-adapter requests on a device slot; replicas {sorted({r for _, r, _ in results})}")
+    assert on_device >= 0.95
+    assert all(text == adapter_markers[tenant["aliases"][alias]] for _, _, text in results)
+
+
+@pytest.fixture
+def small_farm(tmp_path, dev_model, canaries):
+    f = Farm(tmp_path, replicas=2, ports=FarmPorts.free(2), progress=False, demo_adapters=4)
+    shutil.copytree(dev_model, f.model_dir)
+    for i in range(4):
+        shutil.copytree(canaries / f"c{i:04d}", f.adapters_dir / f"c{i:04d}")
+    try:
+        f.prepare()
+        f.start()
+        info = f.seed()
+        wait_router_ready(info)
+        yield f, info
+    finally:
+        f.stop()
+
+
+def test_killed_replica_no_request_lost(small_farm):
+    """SIGKILL one replica under load: every request that had not started streaming still succeeds
+    (failover before the first byte), answered by the surviving replica with the right marker."""
+    f, info = small_farm
+    tenant = info["tenants"][0]
+    markers = info["markers"]
+    aliases = sorted(tenant["aliases"])
+
+    async def run():
+        client = AsyncOpenAI(base_url=info["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0, timeout=120)
+        results = []
+
+        async def one(i):
+            alias = aliases[i % len(aliases)]
+            r = await client.chat.completions.create(
+                model=alias, messages=[{"role": "user", "content": f"req {i}"}], max_tokens=16, temperature=0
+            )
+            results.append((alias, r.choices[0].message.content))
+
+        first = [asyncio.create_task(one(i)) for i in range(24)]
+        await asyncio.sleep(0.3)
+        os.kill(f.procs["replica-r1"].pid, signal.SIGKILL)
+        rest = [asyncio.create_task(one(i)) for i in range(24, 64)]
+        outcomes = await asyncio.gather(*first, *rest, return_exceptions=True)
+        await client.close()
+        return results, [o for o in outcomes if isinstance(o, BaseException)]
+
+    results, errors = asyncio.run(run())
+    assert errors == []
+    assert len(results) == 64
+    assert all(text == markers[alias] for alias, text in results)
