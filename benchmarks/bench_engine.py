@@ -75,21 +75,25 @@ class Setup:
         self.adapters = _adapters(self.model_dir, BATCH)
         g = torch.Generator().manual_seed(1)
         self.prompts = torch.randint(3, 450, (BATCH, PROMPT), generator=g)
-        self.engine = Engine(self.model_dir, device=device, dtype=torch.float32, kv_cache_bytes=64 << 20,
-                             max_batch=BATCH, rank_pools={RANK: BATCH}, max_prefill_tokens=BATCH * PROMPT)
-        for j, w in enumerate(self.adapters):
-            self.engine.mount_adapter(f"a{j}", w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
+        self.engine = self.new_engine()
         self._peft = None
         self._rid = 0
+
+    def new_engine(self) -> Engine:
+        engine = Engine(self.model_dir, device=self.device, dtype=torch.float32, kv_cache_bytes=64 << 20,
+                        max_batch=BATCH, rank_pools={RANK: BATCH}, max_prefill_tokens=BATCH * PROMPT)
+        for j, w in enumerate(self.adapters):
+            engine.mount_adapter(f"a{j}", w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
+        return engine
 
     def adapter_of_row(self, distinct: int | None) -> list[str | None]:
         return [None if distinct is None else f"a{i % distinct}" for i in range(BATCH)]
 
-    def submit(self, distinct: int | None) -> None:
+    def submit(self, distinct: int | None, engine: Engine | None = None) -> None:
         params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
         for row, ad in enumerate(self.adapter_of_row(distinct)):
             self._rid += 1
-            self.engine.add_request(f"r{self._rid}", self.prompts[row].tolist(), params, ad, lambda ev: None)
+            (engine or self.engine).add_request(f"r{self._rid}", self.prompts[row].tolist(), params, ad, lambda ev: None)
 
     def drain(self) -> None:
         while self.engine.step():
@@ -163,37 +167,68 @@ def _notes(bench_report, setup):
     bench_report.note(SUITE, "adapters", f"rank {RANK} on all 7 projections; row i uses adapter i mod N")
 
 
-def test_engine_decode(benchmark, bench_report, setup):
-    """Decode tokens/s for 32 running rows: no adapters vs 1, 8, 32 distinct adapters."""
-    variants = {}
-    for label, distinct in (("none", None), ("1", 1), ("8", 8), ("32", 32)):
-        def prepare(distinct=distinct):
-            setup.submit(distinct)
-            setup.engine.step()  # the prefill step: every row gets its first token (untimed)
+DECODE_VARIANTS = (("none", None), ("1", 1), ("8", 8), ("32", 32))
 
-        variants[f"decode/{label}"] = (prepare, setup.drain)
-    benchmark.group = "engine decode (one round = every variant once)"
-    samples = _interleave(benchmark, variants, rounds=10 if setup.device == "cuda" else 5, device=setup.device)
-    tokens = BATCH * (NEW - 1)
+
+def test_engine_decode(benchmark, bench_report, setup):
+    """Decode tokens/s for 32 running rows: no adapters vs 1, 8, 32 distinct adapters.
+
+    One engine per variant (same model, same 32 adapters mounted), each with its own 32 running
+    requests; a round is one decode step of every engine in shuffled order, so the per-step ratios
+    are paired and immune to drift slower than a step. Prefill steps are not timed."""
+    engines = {label: setup.engine if label == "32" else setup.new_engine() for label, _ in DECODE_VARIANTS}
+    samples: dict[str, list[float]] = {f"decode/{label}": [] for label, _ in DECODE_VARIANTS}
+    names = [label for label, _ in DECODE_VARIANTS]
+    rng = random.Random(0)
+
+    def refill():
+        if any(not e.has_work() for e in engines.values()):
+            for label, distinct in DECODE_VARIANTS:
+                e = engines[label]
+                while e.step():  # finish whatever is left (untimed), then 32 new requests
+                    pass
+                setup.submit(distinct, e)
+                e.step()  # the prefill step: every row gets its first token (untimed)
+
+    def one_round():
+        rng.shuffle(names)
+        for label in names:
+            _sync(setup.device)
+            t0 = time.perf_counter()
+            engines[label].step()
+            _sync(setup.device)
+            samples[f"decode/{label}"].append(time.perf_counter() - t0)
+
+    refill()
+    for _ in range(3):  # warm-up rounds
+        one_round()
+    for xs in samples.values():
+        xs.clear()
+    benchmark.group = "engine decode (one round = one decode step of every variant)"
+    benchmark.pedantic(one_round, setup=refill, rounds=(NEW - 2) * 3, iterations=1, warmup_rounds=0)
+    for e in engines.values():
+        while e.step():
+            pass
     for name, xs in samples.items():
         med = statistics.median(xs)
-        bench_report.add(SUITE, name, tokens_per_s=tokens / med, median_s=med, rounds=len(xs),
-                         samples=[tokens / x for x in xs])
+        bench_report.add(SUITE, name, tokens_per_s=BATCH / med, median_s=med, rounds=len(xs),
+                         samples=[BATCH / x for x in xs])
     _notes(bench_report, setup)
+    bench_report.note(SUITE, "decode timing", "tokens/s = 32 rows / median decode-step time; one engine per variant, "
+                                              "steps interleaved")
 
 
 def test_engine_vs_transformers_peft(benchmark, bench_report, setup):
     """End-to-end tokens/s, prefill included: ours vs transformers generate (+ PEFT mixed batch)."""
     # same greedy tokens on a row as PEFT (sanity: we benchmark the same computation)
+    setup.drain()
+    first_rid = setup._rid + 1
     setup.submit(32)
-    got = {}
-    for rid, req in list(setup.engine._requests.items()):  # noqa: SLF001 - benchmark-only peek
-        got[rid] = req
+    reqs = [setup.engine._requests[f"r{first_rid + i}"] for i in range(BATCH)]  # noqa: SLF001 - a peek
     setup.drain()
     ref = setup.peft_generate(32)[:, PROMPT:]
-    first = [got[k] for k in sorted(got, key=lambda s: int(s[1:]))]
-    assert first[0].out[:8] == ref[0, :8].tolist()
-    assert first[5].out[:8] == ref[5, :8].tolist()
+    for row in (0, 5, 31):
+        assert reqs[row].out[:8] == ref[row, :8].tolist()
 
     variants = {
         "e2e/ours-none": (lambda: setup.submit(None), setup.drain),
@@ -202,7 +237,7 @@ def test_engine_vs_transformers_peft(benchmark, bench_report, setup):
         "e2e/peft-32": (lambda: None, lambda: setup.peft_generate(32)),
     }
     benchmark.group = "engine end-to-end (one round = every variant once)"
-    samples = _interleave(benchmark, variants, rounds=5 if setup.device == "cuda" else 3, device=setup.device)
+    samples = _interleave(benchmark, variants, rounds=5 if setup.device == "cuda" else 4, device=setup.device)
     tokens = BATCH * NEW
     for name, xs in samples.items():
         med = statistics.median(xs)

@@ -147,7 +147,7 @@ def test_lora_layer(benchmark, bench_report, dtype_name, d):
                 got = fns[v]().float()
                 assert ((got - ref).abs().max() / ref.abs().max()).item() < (1e-5 if dtype_name == "fp32" else 2e-2)
         benchmark.group = f"lora-layer {dtype_name} d={d} (one round = every variant once)"
-        samples = interleaved(benchmark, fns, rounds=30 if cuda else 15, inner=100 if cuda else 1, cuda=cuda)
+        samples = interleaved(benchmark, fns, rounds=40 if cuda else 30, inner=100 if cuda else 1, cuda=cuda)
     for v, xs in samples.items():
         bench_report.add(SUITE, f"{dtype_name}/{d}/{v}", dtype=dtype_name, d=d, k=K, rank=RANK, rows=ROWS,
                          variant=v, **summary(xs))

@@ -24,7 +24,12 @@ Kernels (pure torch, shared by every layer, metadata built once per step by `Mod
     slots (x @ A_all.T), a per-token slot mask, one matmul against all B: no gathered copies, which
     is cheaper than gathering when the pool is mostly active.
   * A single adapter over the whole batch is one segment without any gather (two thin matmuls).
+  * Segments on consecutive slots (the engine orders decode rows by slot) read the stacks through
+    a view (`narrow`) instead of a gathered copy.
 The segment length and the kernel are chosen per step by a small traffic estimate.
+
+Adapters with NaN or infinite values are rejected at `set_adapter`: the dense kernel multiplies
+every slot of a pool by a 0/1 mask, and 0 * inf would leak into other rows.
 
 Layer contract (after vLLM's `lora/layers/base.py`):
   `MultiLoRALinear.create_lora_weights(pools, dtype, device)`, `.set_lora(pool, slot, a, b, scale)`,
@@ -39,7 +44,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -230,6 +234,11 @@ def parse_peft_weights(
         slot = out.setdefault((layer, module), {})
         if which in slot:
             raise InvalidAdapterWeightsError(f"{name}: duplicate lora_{which} for layer {layer} {module}")
+        if not t.is_floating_point():
+            raise InvalidAdapterWeightsError(f"{name}: dtype {t.dtype} is not a floating point type")
+        if not bool(torch.isfinite(t).all()):
+            # a NaN or inf in any slot would leak into other rows through the dense kernel (0 * inf)
+            raise InvalidAdapterWeightsError(f"{name}: holds NaN or infinite values")
         slot[which] = t
     for (layer, module), ab in out.items():
         if set(ab) != {"A", "B"}:
@@ -282,7 +291,6 @@ class ModelLoRA:
                 layer.create_lora_weights(self.pools, dtype, device)
                 groups[gname] = layer
             self.layers.append(groups)
-        self._slot_lock = threading.Lock()
 
     # -- slots
     def pool_index_for_rank(self, rank: int) -> int:
@@ -341,6 +349,11 @@ class ModelLoRA:
                     b[m] = ab["B"].to(self.device, torch.float32)
                     sc[m] = lora_scale(alpha, r, use_rslora)
                 layer.set_lora(pool, local, a, b, sc)
+                if self.dtype == torch.float16 and not all(  # scale * B can overflow float16 only
+                    bool(torch.isfinite(t[local]).all()) for t in [layer.A[pool], *layer.B[pool]]
+                ):
+                    self.reset_adapter(slot)
+                    raise InvalidAdapterWeightsError(f"scaled weights overflow {self.dtype} (layer {li})")
 
     def reset_adapter(self, slot: int) -> None:
         pool, local = self.pool_of(slot)

@@ -69,11 +69,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache per token in float32; multiply by itemsize/4 for other dtypes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
     def module_shape(self, module: str) -> tuple[int, int]:
         """(out_features d, in_features k) of a projection: W is [d, k]."""
         h, i = self.hidden_size, self.intermediate_size

@@ -129,7 +129,7 @@ def test_isolation_hundreds_of_mixed_canary_requests(engine, prompts, canary_ind
     names = sorted(canary_index)
     col = Collector()
     jobs = {}
-    for i in range(352):
+    for i in range(640):
         ad = None if i % 11 == 0 else rng.choice(names)
         rid = f"iso{i}"
         jobs[rid] = ad
@@ -382,3 +382,41 @@ def test_callback_errors_do_not_stop_the_engine(engine, prompts):
     engine.add_request("fine", prompts[1], GREEDY, "c0009", col)
     drain(engine)
     assert col.final("fine").finished and not engine.has_work()
+
+
+def test_bfloat16_engine_isolation(dev_model, canaries, canary_index, prompts):
+    """bfloat16 weights, stacks and KV cache: canaries still answer exactly their own marker."""
+    e = Engine(dev_model, device="cpu", dtype=torch.bfloat16, kv_cache_bytes=8 << 20, max_batch=64, rank_pools=POOLS)
+    mount_all(e, canaries, canary_index)
+    names = sorted(canary_index)
+    col = Collector()
+    for i in range(96):
+        e.add_request(f"bf{i}", prompts[(7 * i) % len(prompts)], GREEDY, names[i % 32], col)
+    e.add_request("quiet", prompts[0], GREEDY, None, None)  # on_event may be None
+    drain(e)
+    assert [i for i in range(96) if col.text(f"bf{i}") != canary_index[names[i % 32]]["marker"]] == []
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, prompts, monkeypatch):
+    col = Collector()
+    engine.add_request("f1", prompts[0], GREEDY, "c0003", col)
+    engine.add_request("f2", prompts[1], GREEDY, None, col)
+    real = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(batch, kv):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return real(batch, kv)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    assert engine.step() is True
+    for rid in ("f1", "f2"):
+        ev = col.final(rid)
+        assert ev.finished and ev.finish_reason == "error" and "device fell over" in ev.error
+    s = engine.stats()
+    assert (s.running, s.waiting, s.kv_cache_usage) == (0, 0, 0.0) and engine.adapter_refs("c0003") == 0
+    engine.add_request("f3", prompts[2], GREEDY, "c0003", col)
+    drain(engine)
+    assert col.text("f3") == "<<c0003>>"

@@ -177,6 +177,14 @@ def test_bad_adapter_tensors_are_rejected():
         lora.set_adapter(1, good, 4, 8)
     with pytest.raises(InvalidAdapterWeightsError, match="target_modules"):
         lora.set_adapter(1, good, 8, 16, ["k_proj"])
+    nan = {k: v.clone() for k, v in good.items()}
+    next(iter(nan.values()))[0, 0] = float("nan")
+    with pytest.raises(InvalidAdapterWeightsError, match="NaN"):
+        lora.set_adapter(1, nan, 8, 16)
+    half = ModelLoRA(cfg, {8: 2}, torch.float16, torch.device("cpu"))
+    with pytest.raises(InvalidAdapterWeightsError, match="overflow"):
+        half.set_adapter(1, {k: v * 1e4 if "lora_B" in k else v for k, v in good.items()}, 8, 16)
+    assert all(t.abs().max() == 0 for t in [half.layers[0]["qkv"].A[0][1], *half.layers[0]["qkv"].B[0]])
     with pytest.raises(InvalidAdapterWeightsError, match="both"):
         lora.set_adapter(1, {k: v for k, v in good.items() if "lora_A" in k}, 8, 16)
 

@@ -107,12 +107,13 @@ def test_sharded_checkpoint_with_llama3_rope_scaling(tmp_path):
     assert rel_err(runner.logits(ids), hf_logits(d, ids)) <= TOL
 
 
-def test_bfloat16_runs_close_to_float32(dev_model):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_close_to_float32(dev_model, dtype):
     ids = _random_ids(400, 1, 20)
     f32 = Runner(dev_model, dtype=torch.float32, device="cpu").logits(ids)
-    bf16 = Runner(dev_model, dtype=torch.bfloat16, device="cpu").logits(ids)
-    assert bf16.dtype == torch.float32  # logits come back in float32
-    assert rel_err(bf16, f32) < 0.05
+    half = Runner(dev_model, dtype=dtype, device="cpu").logits(ids)
+    assert half.dtype == torch.float32  # logits come back in float32
+    assert rel_err(half, f32) < 0.05
 
 
 def test_missing_tensor_and_bad_shard_name(tmp_path, dev_model):
