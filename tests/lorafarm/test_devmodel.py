@@ -12,7 +12,12 @@ from lorafarm.dev.model import SIZES
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    # dot files are caches other code keeps beside a checkpoint (e.g. the base-model hash)
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if not p.name.startswith(".")
+    }
 
 
 def test_dev_model_loads_in_transformers_and_generates(dev_model):
