@@ -25,10 +25,7 @@ def _loadtest(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(rate=args.rate, duration=args.duration, seed=args.seed)
     runs = {}
     try:
-        farm.prepare()
-        farm.start()
-        info = farm.seed()
-        wait_router_ready(info)
+        info = farm.up()
         tenant = info["tenants"][0]
         models = sorted(tenant["aliases"])
         items = generate(models, spec)

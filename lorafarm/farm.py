@@ -237,6 +237,15 @@ class Farm:
                 proc.wait()
         self.procs.clear()
 
+    def up(self) -> dict:
+        """Prepare, start every process, seed the demo tenant; return farm.json's content once
+        the router lists the demo aliases."""
+        self.prepare()
+        self.start()
+        info = self.seed()
+        wait_router_ready(info)
+        return info
+
     # -- seeding ----------------------------------------------------------------------------
     def seed(self) -> dict:
         """Demo tenant, its key and aliases; adapters uploaded as a training job would."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _up(args: argparse.Namespace) -> int:
-    from lorafarm.farm import Farm, FarmPorts, examples, wait_router_ready
+    from lorafarm.farm import Farm, FarmPorts, examples
 
     ports = FarmPorts(router=args.port, registry=args.registry_port, replica_base=args.replica_port)
     farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports)
@@ -24,10 +24,7 @@ def _up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        farm.prepare()
-        farm.start()
-        info = farm.seed()
-        wait_router_ready(info)
+        info = farm.up()
         print(examples(info), flush=True)
         print(f"farm.json: {farm.farm_json}", flush=True)
         signal.pause()
@@ -41,16 +38,13 @@ def _up(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    from lorafarm.farm import Farm, FarmPorts, wait_router_ready
+    from lorafarm.farm import Farm, FarmPorts
 
     with tempfile.TemporaryDirectory(prefix="lorafarm-demo-") as tmp:
         state = Path(args.state_dir) if args.state_dir else Path(tmp)
         farm = Farm(state, replicas=args.replicas, ports=FarmPorts.free(args.replicas))
         try:
-            farm.prepare()
-            farm.start()
-            info = farm.seed()
-            wait_router_ready(info)
+            info = farm.up()
             tenant = info["tenants"][0]
             alias = sorted(tenant["aliases"])[0]
             client = OpenAI(base_url=info["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0)

@@ -14,11 +14,10 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lorafarm.dev.atomic import atomic_dir
 from lorafarm.errors import CliError
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -139,17 +138,9 @@ def train_canary(base_model, tokenizer, spec: CanarySpec, out: Path, steps: int 
         loss.backward()
         opt.step()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         peft_model.save_pretrained(tmp, safe_serialization=True)
         (tmp / "canary.json").write_text(json.dumps({**asdict(spec), "steps": steps, "final_loss": loss.item()}) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int | None = None, progress=True) -> dict:

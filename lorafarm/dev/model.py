@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafarm.dev.atomic import atomic_dir
 from lorafarm.dev.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, build_tokenizer
 from lorafarm.errors import CliError
 
@@ -105,16 +104,8 @@ def write_dev_model(out: str | Path, size: str = "tiny", seed: int = 0, force: b
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         fast.save_pretrained(tmp)
         (tmp / "lorafarm_devmodel.json").write_text(json.dumps({"size": size, "seed": seed}) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

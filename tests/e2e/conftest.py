@@ -9,27 +9,29 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 
 import pytest
 
-from lorafarm.farm import Farm, FarmPorts, wait_router_ready
+from lorafarm.farm import Farm, FarmPorts
 
 E2E_ADAPTERS = 16
 
 
-@pytest.fixture(scope="session")
-def farm(tmp_path_factory, dev_model, canaries):
-    state = tmp_path_factory.mktemp("farm")
-    farm = Farm(state, replicas=2, ports=FarmPorts.free(2), progress=False, demo_adapters=E2E_ADAPTERS)
+def seeded_farm(state, dev_model, canaries, replicas: int, adapters: int) -> Farm:
+    """A Farm on free ports whose state dir already holds the cached dev model and canaries."""
+    farm = Farm(state, replicas=replicas, ports=FarmPorts.free(replicas), progress=False, demo_adapters=adapters)
     shutil.copytree(dev_model, farm.model_dir)
-    farm.adapters_dir.mkdir(parents=True)
-    for i in range(E2E_ADAPTERS):
+    for i in range(adapters):
         shutil.copytree(canaries / f"c{i:04d}", farm.adapters_dir / f"c{i:04d}")
+    return farm
+
+
+@contextmanager
+def running(farm: Farm):
+    """Start the farm and yield farm.json's content (plus "_farm"); stop it and show any traceback."""
     try:
-        farm.prepare()
-        farm.start()
-        info = farm.seed()
-        wait_router_ready(info)
+        info = farm.up()
         info["_farm"] = farm
         yield info
     finally:
@@ -38,6 +40,12 @@ def farm(tmp_path_factory, dev_model, canaries):
             text = log.read_text(errors="replace")
             if "Traceback" in text:
                 print(f"--- {log.name} (tail) ---\n{text[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def farm(tmp_path_factory, dev_model, canaries):
+    with running(seeded_farm(tmp_path_factory.mktemp("farm"), dev_model, canaries, 2, E2E_ADAPTERS)) as info:
+        yield info
 
 
 @pytest.fixture(scope="session")

@@ -65,15 +65,11 @@ def test_lorafarm_demo_command():
 def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries):
     """`lorafarm up` in the foreground: ready banner, farm.json, then SIGTERM stops all children."""
     import json
-    import shutil
     import time
 
-    from lorafarm.farm import BASE_MODEL_NAME, FarmPorts
+    from tests.e2e.conftest import seeded_farm
 
-    shutil.copytree(dev_model, tmp_path / "models" / BASE_MODEL_NAME)
-    for i in range(4):
-        shutil.copytree(canaries / f"c{i:04d}", tmp_path / "demo-adapters" / f"c{i:04d}")
-    ports = FarmPorts.free(1)
+    ports = seeded_farm(tmp_path, dev_model, canaries, replicas=1, adapters=4).ports
     proc = subprocess.Popen(
         [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(tmp_path),
          "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base)],

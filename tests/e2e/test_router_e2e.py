@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from lorafarm.farm import Farm, FarmPorts, wait_router_ready
 from lorafarm.registry_client import RegistryClient
+from tests.e2e.conftest import running, seeded_farm
 
 
 def _client(farm, key) -> OpenAI:
@@ -80,18 +79,8 @@ def test_warm_routing_hot_adapter_lands_on_device(farm, tenant, adapter_markers)
 
 @pytest.fixture
 def small_farm(tmp_path, dev_model, canaries):
-    f = Farm(tmp_path, replicas=2, ports=FarmPorts.free(2), progress=False, demo_adapters=4)
-    shutil.copytree(dev_model, f.model_dir)
-    for i in range(4):
-        shutil.copytree(canaries / f"c{i:04d}", f.adapters_dir / f"c{i:04d}")
-    try:
-        f.prepare()
-        f.start()
-        info = f.seed()
-        wait_router_ready(info)
-        yield f, info
-    finally:
-        f.stop()
+    with running(seeded_farm(tmp_path, dev_model, canaries, replicas=2, adapters=4)) as info:
+        yield info["_farm"], info
 
 
 def test_killed_replica_no_request_lost(small_farm):

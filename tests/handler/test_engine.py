@@ -23,14 +23,7 @@ from handler.engine import (
 from handler.lora import read_peft_adapter
 from lorafarm.dev.adapters import random_prompts
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny-model ops are overhead-bound: one intra-op thread is faster, above all on a shared CI box."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 POOLS = {8: 11, 16: 11, 32: 10}  # the 32 canaries exactly: ranks cycle 8, 16, 32

@@ -14,14 +14,7 @@ from handler.lora import InvalidAdapterWeightsError, ModelLoRA, read_peft_adapte
 from handler.merge import merge_adapter
 from handler.model import LORA_MODULES, ModelConfig, Runner
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny-model ops are overhead-bound: one intra-op thread is faster, above all on a shared CI box."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOL = 1e-4
 

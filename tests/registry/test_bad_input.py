@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 
 import pytest
@@ -170,7 +169,7 @@ async def test_upload_bad_content(client, tenant, canaries, base_hash, dev_model
         ({"tenant_id": tenant, "base_model": "sha256:" + "cd" * 32}, good, 422, "not served"),
         ({"tenant_id": tenant, "base_model": base_model_hash(dev_model_b)}, good, 422, "not served"),
         ({"tenant_id": tenant, "base_model": "gpt-17"}, good, 422, "not served"),
-        ({"tenant_id": tenant, "alias": f"someone-else/x:prod"}, good, 422, "belongs to tenant"),
+        ({"tenant_id": tenant, "alias": "someone-else/x:prod"}, good, 422, "belongs to tenant"),
         ({"tenant_id": tenant, "alias": "no-slash"}, good, 422, "alias"),
         ({"tenant_id": tenant}, [good[0]], 422, "adapter_model.safetensors"),
         ({"tenant_id": tenant}, [good[0], ("files", ("adapter_model.safetensors", b"not safetensors", "x/y"))], 422,
