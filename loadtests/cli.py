@@ -19,7 +19,11 @@ def _loadtest(args: argparse.Namespace) -> int:
     from lorafarm.farm import Farm, FarmPorts, wait_router_ready
 
     farm = Farm(
-        Path(args.state_dir), replicas=args.replicas, ports=FarmPorts.free(args.replicas), demo_adapters=args.adapters
+        Path(args.state_dir),
+        replicas=args.replicas,
+        ports=FarmPorts.free(args.replicas),
+        demo_adapters=args.adapters,
+        replica_args=["--slots", str(args.slots)],
     )
     command = "lorafarm loadtest " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     spec = WorkloadSpec(rate=args.rate, duration=args.duration, seed=args.seed)
@@ -29,16 +33,20 @@ def _loadtest(args: argparse.Namespace) -> int:
         tenant = info["tenants"][0]
         models = sorted(tenant["aliases"])
         items = generate(models, spec)
-        strategies = ["least_tokens", "random"] if args.ab else ["least_tokens"]
-        for strategy in strategies:
-            if strategy != "least_tokens":
-                farm.restart_router(strategy)
+        # A: affinity (warm first, then owners; least tokens in flight within a class, the default);
+        # B: random over every healthy replica, blind to where adapters are (--no-affinity).
+        variants = {"affinity": [], "random": ["--strategy", "random", "--no-affinity"]}
+        if not args.ab:
+            variants.pop("random")
+        for name, router_args in variants.items():
+            if router_args:
+                farm.restart_router(router_args)
                 wait_router_ready(info)
             # warm-up pass (not measured): adapters reach their replicas' slots, as in steady state
             warm = generate(models, WorkloadSpec(rate=args.rate, duration=min(10.0, args.duration), seed=args.seed + 1))
             asyncio.run(replay(info["router_url"] + "/v1", tenant["api_key"], warm))
-            with tqdm(total=len(items), desc=f"loadtest ({strategy})", unit="req") as bar:
-                runs[strategy] = asyncio.run(replay(info["router_url"] + "/v1", tenant["api_key"], items, bar))
+            with tqdm(total=len(items), desc=f"loadtest ({name})", unit="req") as bar:
+                runs[name] = asyncio.run(replay(info["router_url"] + "/v1", tenant["api_key"], items, bar))
     finally:
         farm.stop()
 
@@ -46,7 +54,8 @@ def _loadtest(args: argparse.Namespace) -> int:
     parts = [
         "# Load test",
         "",
-        f"Farm: {args.replicas} replicas of the tiny dev model on this machine's CPU, {args.adapters} "
+        f"Farm: {args.replicas} replicas of the tiny dev model on this machine's CPU, {args.slots} device slots "
+        f"per rank pool (ranks 8/16/32/64) on each, {args.adapters} "
         f"adapters, Zipf(s={spec.zipf_s}) adapter mix, Poisson arrivals at {spec.rate} req/s for "
         f"{spec.duration:.0f} s, log-normal prompt and output lengths. Streamed through the router.",
         "",
@@ -67,8 +76,10 @@ def _loadtest(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("loadtest", help="replay a skewed workload through a fresh farm; report TTFT/TPOT by tier")
     p.add_argument("--state-dir", default="var/loadtest", help="farm state (reused between runs)")
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--adapters", type=int, default=16, help="distinct adapters in the mix")
+    p.add_argument("--slots", type=int, default=2, help="device slots per rank pool on each replica (default 2:"
+                   " fewer slots than adapters, so routing decides the hit rate)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     p.add_argument("--seed", type=int, default=0)

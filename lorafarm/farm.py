@@ -77,7 +77,8 @@ class Farm:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     progress: bool = True
     demo_adapters: int = DEMO_ADAPTERS
-    router_strategy: str | None = None  # None: the router's default (least tokens in flight)
+    router_args: list[str] = field(default_factory=list)  # extra `lorafarm router` flags
+    replica_args: list[str] = field(default_factory=list)  # extra `lorafarm replica` flags
 
     # -- files ------------------------------------------------------------------------------
     @property
@@ -181,6 +182,7 @@ class Farm:
                     "--store-url", f"file://{state / 'store'}",
                     "--trust", str(state / "keys" / "public.pem"),
                     "--disk-dir", str(state / "replicas" / rid),
+                    *self.replica_args,
                 ],
             )  # fmt: skip
         self.start_router()
@@ -190,16 +192,14 @@ class Farm:
 
     def start_router(self) -> None:
         args = ["router", "--host", self.host, "--port", str(self.ports.router), "--registry", self.registry_url]
-        if self.router_strategy:
-            args += ["--strategy", self.router_strategy]
-        self._spawn("router", args)
+        self._spawn("router", [*args, *self.router_args])
 
-    def restart_router(self, strategy: str | None) -> None:
-        """Same farm, another routing strategy: for A/B runs over identical replicas and caches."""
+    def restart_router(self, router_args: list[str]) -> None:
+        """Same farm, other router flags (e.g. a routing strategy): for A/B runs over identical replicas."""
         proc = self.procs.pop("router")
         proc.terminate()
         proc.wait(timeout=15)
-        self.router_strategy = strategy
+        self.router_args = router_args
         self.start_router()
         self.wait_healthy("router", self.router_url)
 

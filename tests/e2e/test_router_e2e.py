@@ -114,3 +114,35 @@ def test_killed_replica_no_request_lost(small_farm):
     assert errors == []
     assert len(results) == 64
     assert all(text == markers[alias] for alias, text in results)
+
+
+def test_rate_limit_burst_gets_429_other_tenant_unaffected(farm, tenant):
+    """A tenant limited to 1 request/s bursting gets 429 with Retry-After and x-ratelimit-* headers;
+    the demo tenant, sending at the same time, is not limited."""
+
+    async def make_tenant():
+        async with RegistryClient(farm["registry_url"], farm["admin_token"]) as reg:
+            return await reg.create_tenant("bursty", requests_per_s=1)
+
+    bursty = asyncio.run(make_tenant())
+    limited = _client(farm, bursty["api_key"])
+    other = _client(farm, tenant["api_key"])
+    statuses, retry_after, other_ok = [], [], 0
+    for _ in range(6):
+        try:
+            raw = limited.chat.completions.with_raw_response.create(
+                model="lorafarm-dev-tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+            statuses.append(raw.status_code)
+        except openai.RateLimitError as e:
+            statuses.append(e.status_code)
+            retry_after.append(e.response.headers.get("retry-after"))
+            assert e.response.headers.get("x-ratelimit-limit-requests")
+            assert e.code == "rate_limit_exceeded"
+        r = other.chat.completions.create(
+            model=sorted(tenant["aliases"])[0], messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        other_ok += r.choices[0].message.content is not None
+    assert statuses[0] == 200 and 429 in statuses
+    assert all(ra is not None and float(ra) > 0 for ra in retry_after)
+    assert other_ok == 6
