@@ -79,11 +79,22 @@ class Farm:
     demo_adapters: int = DEMO_ADAPTERS
     router_args: list[str] = field(default_factory=list)  # extra `lorafarm router` flags
     replica_args: list[str] = field(default_factory=list)  # extra `lorafarm replica` flags
+    # A mixed farm: more base models (name -> checkpoint dir) and, per replica, the base it serves
+    # (default: every replica serves the dev model, whose demo adapters are seeded).
+    extra_bases: dict[str, Path] = field(default_factory=dict)
+    replica_bases: list[str] = field(default_factory=list)
 
     # -- files ------------------------------------------------------------------------------
     @property
     def model_dir(self) -> Path:
         return self.state_dir / "models" / BASE_MODEL_NAME
+
+    @property
+    def base_models(self) -> dict[str, Path]:
+        return {BASE_MODEL_NAME: self.model_dir.resolve(), **{n: Path(d).resolve() for n, d in self.extra_bases.items()}}
+
+    def replica_base(self, i: int) -> str:
+        return self.replica_bases[i] if i < len(self.replica_bases) else BASE_MODEL_NAME
 
     @property
     def adapters_dir(self) -> Path:
@@ -163,7 +174,7 @@ class Farm:
                 "--database-url", f"sqlite+aiosqlite:///{state / 'registry.db'}",
                 "--store-url", f"file://{state / 'store'}",
                 "--signing-key", str(state / "keys" / "private.pem"),
-                "--base-model", f"{BASE_MODEL_NAME}={self.model_dir.resolve()}",
+                *[a for name, d in self.base_models.items() for a in ("--base-model", f"{name}={d}")],
             ],
         )  # fmt: skip
         self.wait_healthy("registry", self.registry_url)
@@ -176,8 +187,8 @@ class Farm:
                     "--id", rid,
                     "--host", self.host,
                     "--port", str(self.ports.replica_base + i),
-                    "--base", str(self.model_dir.resolve()),
-                    "--model-name", BASE_MODEL_NAME,
+                    "--base", str(self.base_models[self.replica_base(i)]),
+                    "--model-name", self.replica_base(i),
                     "--registry", self.registry_url,
                     "--store-url", f"file://{state / 'store'}",
                     "--trust", str(state / "keys" / "public.pem"),
@@ -268,7 +279,9 @@ class Farm:
             aliases = {}
             for name, info in sorted(markers.items()):
                 alias = f"{DEMO_TENANT}/{name}:prod"
-                adapter = await reg.upload_adapter(self.adapters_dir / info["path"], DEMO_TENANT, alias=alias)
+                adapter = await reg.upload_adapter(
+                    self.adapters_dir / info["path"], DEMO_TENANT, alias=alias, base_model=BASE_MODEL_NAME
+                )
                 aliases[alias] = adapter["adapter_id"]
         farm = {
             "router_url": self.router_url,
@@ -279,7 +292,7 @@ class Farm:
                 {"replica_id": f"r{i}", "url": self.replica_url(i), "pid": self.procs[f"replica-r{i}"].pid}
                 for i in range(self.replicas)
             ],
-            "base_models": {BASE_MODEL_NAME: str(self.model_dir.resolve())},
+            "base_models": {name: str(d) for name, d in self.base_models.items()},
             "markers": {f"{DEMO_TENANT}/{n}:prod": m["marker"] for n, m in markers.items()},
         }
         tmp = self.farm_json.with_suffix(".json.tmp")

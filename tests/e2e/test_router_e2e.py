@@ -146,3 +146,24 @@ def test_rate_limit_burst_gets_429_other_tenant_unaffected(farm, tenant):
     assert statuses[0] == 200 and 429 in statuses
     assert all(ra is not None and float(ra) > 0 for ra in retry_after)
     assert other_ok == 6
+
+
+def test_mixed_farm_routes_by_base_model(tmp_path, dev_model, dev_model_b, canaries):
+    """Two replicas serving different base models: /v1/models lists both, and each request reaches
+    only a replica that serves its base (adapters trained on base A never go to base B)."""
+    farm = seeded_farm(tmp_path, dev_model, canaries, replicas=2, adapters=2)
+    farm.extra_bases = {"lorafarm-dev-tiny-b": dev_model_b}
+    farm.replica_bases = ["lorafarm-dev-tiny", "lorafarm-dev-tiny-b"]
+    with running(farm) as info:
+        tenant = info["tenants"][0]
+        client = _client(info, tenant["api_key"])
+        models = {m.id: m for m in client.models.list()}
+        assert {"lorafarm-dev-tiny", "lorafarm-dev-tiny-b"} <= set(models)
+        served = []
+        for model in ["lorafarm-dev-tiny-b", "lorafarm-dev-tiny", *sorted(tenant["aliases"])] * 4:
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, messages=[{"role": "user", "content": "which base?"}], max_tokens=4, temperature=0
+            )
+            served.append((model, raw.headers["x-replica-id"]))
+        assert {r for m, r in served if m == "lorafarm-dev-tiny-b"} == {"r1"}
+        assert {r for m, r in served if m != "lorafarm-dev-tiny-b"} == {"r0"}
