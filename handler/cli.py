@@ -33,6 +33,39 @@ def parse_pools(text: str) -> dict[int, int]:
     return pools
 
 
+def parse_rank_mix(text: str) -> dict[int, float]:
+    """`16:1` or `8:0.25,16:0.5,32:0.25` -> {rank: share of the LoRA memory budget}."""
+    try:
+        mix = {int(r): float(w) for r, w in (part.split(":") for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rank mix: {text!r} (e.g. 16:1 or 8:0.25,16:0.5,32:0.25)") from None
+    if not mix or any(r < 1 or w < 0 for r, w in mix.items()) or sum(mix.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"bad rank mix {text!r}")
+    return mix
+
+
+def pools_from_budget(base_dir, budget_bytes: int, rank_mix: dict[int, float] | None, *, rank_limit: int,
+                      dtype: str) -> dict[int, int]:
+    """Slots per rank pool from a LoRA memory budget (lorafarm.capacity.slots_for_budget) at the base's
+    shapes; without a mix the budget is split evenly over the default pools up to the rank limit."""
+    import json
+    from pathlib import Path
+
+    from handler.handler import DEFAULT_RANK_POOLS
+    from lorafarm.capacity import ModelDims, slots_for_budget
+
+    mix = rank_mix or {r: 1.0 for r in DEFAULT_RANK_POOLS if r <= rank_limit} or {rank_limit: 1.0}
+    if max(mix) > rank_limit:
+        raise CliError(f"--rank-mix has rank {max(mix)} above --rank-limit {rank_limit}")
+    cfg = json.loads((Path(base_dir) / "config.json").read_text())
+    dims = ModelDims.from_hf_config(cfg, dtype_bytes=4 if dtype == "float32" else 2)
+    pools = {r: s for r, s in slots_for_budget(budget_bytes, mix, dims).items() if mix[r] > 0}
+    empty = [r for r, s in pools.items() if s == 0]
+    if empty:
+        raise CliError(f"--lora-memory-bytes {budget_bytes} leaves no slot for rank {empty[0]} at this base's shapes")
+    return pools
+
+
 def _env(name: str, default=None):
     return os.environ.get(name) or default
 
@@ -63,6 +96,12 @@ def register(sub) -> None:
     p.add_argument("--slots", type=int, default=8, help="device slots per rank pool (default 8)")
     p.add_argument("--rank-pools", type=parse_pools, default=None, metavar="R:S,...",
                    help="explicit rank pools, e.g. 8:16,16:8,32:4 (overrides --slots)")
+    p.add_argument("--lora-memory-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="device memory for adapter slots, e.g. 20GB: slots per rank pool are derived from it, "
+                        "--rank-mix and the base's shapes (overrides --slots)")
+    p.add_argument("--rank-mix", type=parse_rank_mix, default=None, metavar="R:W,...",
+                   help="share of --lora-memory-bytes per rank pool, e.g. 16:1 or 8:1,16:2,32:1 "
+                        "(default: even over the pools up to --rank-limit)")
     p.add_argument("--ram-bytes", type=parse_size, default=4 * 1024**3, help="host RAM tier budget (default 4GiB)")
     p.add_argument("--disk-bytes", type=parse_size, default=32 * 1024**3, help="disk tier budget (default 32GiB)")
     p.add_argument("--disk-dir", default=None, help="disk tier folder (default var/replicas/<id>)")
@@ -112,6 +151,14 @@ def build_config(args: argparse.Namespace):
 
         cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         dtype = "bfloat16" if cuda else "float32"
+    rank_pools = args.rank_pools
+    if args.lora_memory_bytes is not None:
+        if rank_pools:
+            raise CliError("--lora-memory-bytes and --rank-pools both size the slots: give one")
+        rank_pools = pools_from_budget(base, args.lora_memory_bytes, args.rank_mix, rank_limit=args.rank_limit,
+                                       dtype=dtype)
+    elif args.rank_mix:
+        raise CliError("--rank-mix needs --lora-memory-bytes")
     limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, rank_limit=args.rank_limit,
                     max_batch=args.max_batch)
     return ReplicaConfig(
@@ -119,9 +166,10 @@ def build_config(args: argparse.Namespace):
         advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,
         store_url=args.store_url, s3_endpoint_url=args.s3_endpoint_url, trust=[Path(t) for t in trust],
         adapter_catalog=Path(args.adapter_catalog) if args.adapter_catalog else None, slots=args.slots,
-        rank_pools=args.rank_pools, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
+        rank_pools=rank_pools, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
         disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=args.kv_cache_bytes,
-        device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits, prewarm=args.prewarm)
+        device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
+        prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 
 def _replica(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "lorafarm.farm_cli",
     "loadtests.cli",
     "router.cli",
+    "lorafarm.capacity_cli",
 ]
 
 
