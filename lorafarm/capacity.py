@@ -84,7 +84,7 @@ class Throughput:
     s_per_token_unmerged: float = field(default=0.05, metadata={"help": "decode step, unmerged adapters, s"})
     s_per_token_merged: float = field(default=0.04, metadata={"help": "decode step, merged weights, s"})
     prefill_tokens_per_s: float = field(default=8000.0, metadata={"help": "prefill tokens/s per GPU"})
-    headroom: float = field(default=0.3, metadata={"help": "spare capacity on top of the need (0.3 = 30%)"})
+    headroom: float = field(default=0.3, metadata={"help": "spare capacity on top of the need (0.3 = 30%%)"})
     store_mb_per_s: float = field(default=200.0, metadata={"help": "object store bandwidth, MB/s"})
     disk_mb_per_s: float = field(default=2000.0, metadata={"help": "local disk bandwidth, MB/s"})
     ram_to_gpu_mb_per_s: float = field(default=10000.0, metadata={"help": "host RAM -> GPU bandwidth, MB/s"})
