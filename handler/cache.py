@@ -14,6 +14,11 @@ Every archive is verified (Ed25519 signature, checksums, base_model_hash == the 
 the limit) by `archives.extract.extract_archive` before a byte of it is used, and the tensors are
 checked against the base model's module shapes before anything is mounted.
 
+Layout: what is where, the LRU orders, reference counts, victims and counters are the pure policy
+in `handler.slots.SlotPolicy` (the fleet simulator runs the same one); the sources of the remote tier
+are `handler.sources` (registry, catalog, store); this module is the mechanics: read, verify, mount,
+unmount.
+
 Concurrency: everything here runs on the replica's event loop; file work (download, verify, extract,
 read) runs in a small thread pool and engine mounts in one dedicated thread, so loads run beside
 the decode loop. Loads are single-flight per adapter (concurrent requests for one cold adapter share
@@ -29,19 +34,27 @@ import logging
 import re
 import shutil
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from handler.errors import SAFE_ID_RE, AdapterLoadError, AdapterNotFoundError, check_adapter_id, error_code
 from handler.metrics import ReplicaMetrics
+from handler.slots import SlotCounters, SlotPolicy
+from handler.sources import AdapterSource, CatalogSource, NoSource, RegistrySource
+
+__all__ = [
+    "AdapterCache", "AdapterLoadError", "AdapterNotFoundError", "AdapterSource", "CacheCounters",
+    "CatalogSource", "LoadedAdapter", "NoSource", "RegistrySource", "check_adapter_id",
+    "check_adapter_tensors", "module_shapes",
+]
 
 log = logging.getLogger("lorafarm.replica.cache")
 
-SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CacheCounters = SlotCounters  # the counters live with the policy (handler/slots.py)
 VERIFIED_STAMP = ".lorafarm-verified.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -51,200 +64,6 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _KEY_RE = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.default)?\.weight$"
 )
-
-
-# ---------------------------------------------------------------------------------- errors
-
-
-class AdapterNotFoundError(Exception):
-    """Neither a local tier nor the adapter source knows this adapter id."""
-
-    def __init__(self, adapter_id: str, message: str | None = None):
-        super().__init__(message or f"adapter {adapter_id} is not known to this replica's registry/catalog")
-        self.adapter_id = adapter_id
-
-
-class AdapterLoadError(Exception):
-    """A load failed. `code` names the reason for clients: bad_signature, checksum_mismatch,
-    base_mismatch, rank_limit, invalid_adapter, unsafe_archive, store_error, fetch_failed, ..."""
-
-    def __init__(self, adapter_id: str, code: str, message: str):
-        super().__init__(f"adapter {adapter_id} cannot be loaded ({code}): {message}")
-        self.adapter_id = adapter_id
-        self.code = code
-        self.reason = message
-
-
-def _error_code(e: BaseException) -> str:
-    from archives import errors as ae
-
-    try:
-        from handler.engine import InvalidAdapterError as EngineInvalidAdapter
-
-        if isinstance(e, EngineInvalidAdapter):
-            return "invalid_adapter"
-    except ImportError:  # pragma: no cover
-        pass
-
-    for cls, code in (
-        (ae.SignatureError, "bad_signature"),
-        (ae.ChecksumError, "checksum_mismatch"),
-        (ae.BaseMismatchError, "base_mismatch"),
-        (ae.RankLimitError, "rank_limit"),
-        (ae.UnsafeArchiveError, "unsafe_archive"),
-        (ae.CorruptArchiveError, "corrupt_archive"),
-        (ae.ObjectNotFoundError, "archive_not_found"),
-        (ae.StoreError, "store_error"),
-        (ae.InvalidAdapterError, "invalid_adapter"),
-        (ae.ArchiveError, "invalid_archive"),
-    ):
-        if isinstance(e, cls):
-            return code
-    return "load_failed"
-
-
-def check_adapter_id(adapter_id: str) -> str:
-    """Adapter ids become folder names: accept only a safe, short token (no path separators, no `..`)."""
-    if not SAFE_ID_RE.match(adapter_id) or ".." in adapter_id:
-        raise AdapterNotFoundError(adapter_id, f"invalid adapter id {adapter_id!r}")
-    return adapter_id
-
-
-# ---------------------------------------------------------------------------------- sources
-
-
-class AdapterSource(Protocol):
-    """Where cold adapters come from (the `remote` tier)."""
-
-    async def exists(self, adapter_id: str) -> bool: ...
-
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
-        """Write the adapter's signed archive to `dest` (unverified: the cache verifies it)."""
-
-    async def close(self) -> None: ...
-
-
-class _StoreFetch:
-    """Fetch a `weights_uri` from the configured object store; a URI outside the store is refused."""
-
-    def __init__(self, store):
-        self.store = store
-
-    async def fetch_uri(self, adapter_id: str, uri: str, dest: Path) -> None:
-        from archives.errors import StoreError
-
-        key = self.store.key_for(uri)
-        if key is None:
-            raise StoreError(f"weights_uri {uri!r} of {adapter_id} lies outside the configured object store")
-        await self.store.get_file(key, dest)
-
-
-class RegistrySource(_StoreFetch):
-    """Production source: adapter metadata from the registry; bytes from the object store when one is
-    configured (weights_uri must be inside it), else the registry's archive download."""
-
-    POSITIVE_TTL_S = 60.0  # adapter ids are immutable: metadata may be cached
-    NEGATIVE_TTL_S = 2.0  # "unknown" is cached briefly, so junk model names don't hammer the registry
-
-    def __init__(self, client, store=None, *, owns_client: bool = False):
-        super().__init__(store)
-        self.client = client
-        self._owns_client = owns_client
-        self._uris: dict[str, str | None] = {}
-        self._known: dict[str, tuple[float, dict | None]] = {}  # adapter_id -> (expires, adapter or None)
-
-    async def _describe(self, adapter_id: str) -> dict | None:
-        from lorafarm.registry_client import RegistryError
-
-        hit = self._known.get(adapter_id)
-        now = time.monotonic()
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        try:
-            ad = await self.client.get_adapter(adapter_id)
-        except RegistryError as e:
-            if e.status == 404:
-                self._remember(adapter_id, None, now + self.NEGATIVE_TTL_S)
-                return None
-            raise
-        self._uris[adapter_id] = ad.get("weights_uri")
-        self._remember(adapter_id, ad, now + self.POSITIVE_TTL_S)
-        return ad
-
-    def _remember(self, adapter_id: str, ad: dict | None, expires: float) -> None:
-        if len(self._known) > 50_000:  # bounded: drop the expired, then the oldest half
-            now = time.monotonic()
-            self._known = {k: v for k, v in self._known.items() if v[0] > now}
-            if len(self._known) > 25_000:
-                self._known = dict(list(self._known.items())[-25_000:])
-        self._known[adapter_id] = (expires, ad)
-
-    async def exists(self, adapter_id: str) -> bool:
-        ad = await self._describe(adapter_id)
-        return ad is not None and ad.get("status", "active") not in ("deleted", "disabled")
-
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
-        if self.store is None:
-            await self.client.download_archive(adapter_id, dest)
-            return
-        uri = self._uris.get(adapter_id)
-        if uri is None:
-            ad = await self._describe(adapter_id)
-            if ad is None:
-                raise AdapterNotFoundError(adapter_id)
-            uri = ad.get("weights_uri")
-        if not uri:
-            raise AdapterLoadError(adapter_id, "store_error", "the registry has no weights_uri for it")
-        await self.fetch_uri(adapter_id, uri, dest)
-
-    async def close(self) -> None:
-        if self._owns_client:
-            await self.client.aclose()
-        if self.store is not None:
-            await self.store.close()
-
-
-class CatalogSource(_StoreFetch):
-    """Standalone source (no registry): a fixed catalog `{adapter_id: weights_uri}` into the store.
-    `load(path)` reads it from a JSON file (an object, or `{"adapters": [{adapter_id, weights_uri}]}`)."""
-
-    def __init__(self, catalog: dict[str, str], store):
-        super().__init__(store)
-        self.catalog = dict(catalog)
-
-    @classmethod
-    def load(cls, path: str | Path, store) -> CatalogSource:
-        data = json.loads(Path(path).read_text())
-        if isinstance(data, dict) and isinstance(data.get("adapters"), list):
-            data = {a["adapter_id"]: a["weights_uri"] for a in data["adapters"]}
-        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-            raise ValueError(f"{path}: expected {{adapter_id: weights_uri}}")
-        return cls(data, store)
-
-    async def exists(self, adapter_id: str) -> bool:
-        return adapter_id in self.catalog
-
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
-        if adapter_id not in self.catalog:
-            raise AdapterNotFoundError(adapter_id)
-        await self.fetch_uri(adapter_id, self.catalog[adapter_id], dest)
-
-    async def close(self) -> None:
-        if self.store is not None:
-            await self.store.close()
-
-
-class NoSource:
-    """No registry and no catalog: only adapters already on local disk are served."""
-
-    async def exists(self, adapter_id: str) -> bool:
-        return False
-
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
-        raise AdapterNotFoundError(adapter_id)
-
-    async def close(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------------------- entries
@@ -261,28 +80,6 @@ class LoadedAdapter:
     target_modules: list[str]
     nbytes: int
     manifest: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Slot:
-    pool: int
-    refs: int = 0
-    last_used: float = 0.0
-    mounted_at: float = 0.0
-
-
-@dataclass
-class CacheCounters:
-    loads: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0, "remote": 0})
-    load_errors: int = 0
-    evictions: int = 0  # device-slot evictions
-    evictions_in_use: int = 0  # must stay 0: an adapter with running requests evicted
-    ram_evictions: int = 0
-    disk_evictions: int = 0
-    slot_hits: int = 0
-    slot_misses: int = 0
-    slot_waits: int = 0  # a load had to wait for a busy pool's slot to become idle
-    eviction_log: list[tuple[float, str, int]] = field(default_factory=list)  # (time, id, refs) last 256
 
 
 def module_shapes(config: Any) -> dict[str, tuple[int, int]]:
@@ -384,23 +181,20 @@ class AdapterCache:
         self.metrics = metrics
         self.dtype = dtype
         self.pin_memory = pin_memory
-        self.counters = CacheCounters()
+        lora = getattr(engine, "lora", None)
+        pools = {int(r): int(n) for r, n in (getattr(lora, "pools", None) or [])}
+        self.policy = SlotPolicy(pools, ram_bytes=self.ram_bytes, disk_bytes=self.disk_bytes)
+        self.counters = self.policy.counters
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="lorafarm-io")
         self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount")
-        # tiers
-        self._slots: dict[str, _Slot] = {}  # mounted (device) adapters
-        self._ram: OrderedDict[str, LoadedAdapter] = OrderedDict()
-        self._ram_used = 0
-        self._disk: OrderedDict[str, int] = OrderedDict()  # adapter_id -> bytes on disk
-        self._disk_used = 0
+        # tiers: the policy keeps what is where (and the LRU orders); this keeps the RAM tensors
+        self._ram: dict[str, LoadedAdapter] = {}
         # in flight
         self._mounting: dict[str, asyncio.Task] = {}  # -> device slot
         self._fetching: dict[str, asyncio.Task] = {}  # remote/disk -> ram
-        self._wanted: dict[str, int] = {}  # callers about to take a reference: not evictable
         self._pool_locks: dict[int, asyncio.Lock] = {}
         self._slot_freed: asyncio.Condition | None = None
         self._draining: dict[str, asyncio.Future] = {}
-        self._pinned_disk: set[str] = set()  # being read: not evicted from disk meanwhile
         self._unverified: set[str] = set()  # adopted from a previous run: checksums checked on first read
 
     # -- setup ------------------------------------------------------------------------------
@@ -414,8 +208,7 @@ class AdapterCache:
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         found = await asyncio.get_running_loop().run_in_executor(self._io, self._scan_disk)
         for aid, nbytes, mtime in sorted(found, key=lambda x: x[2]):
-            self._disk[aid] = nbytes
-            self._disk_used += nbytes
+            self.policy.put("disk", aid, nbytes)  # nothing is trimmed until every folder is in
             self._unverified.add(aid)
         self._trim_disk()
         self._update_gauges()
@@ -460,29 +253,30 @@ class AdapterCache:
     # -- queries ----------------------------------------------------------------------------
 
     def tier_of(self, adapter_id: str) -> str:
-        if adapter_id in self._slots:
-            return "gpu"
-        if adapter_id in self._ram:
-            return "ram"
-        if adapter_id in self._disk:
-            return "disk"
-        return "remote"
+        return self.policy.tier_of(adapter_id)
 
     def gpu_adapters(self) -> list[str]:
-        return list(self._slots)
+        return self.policy.resident("gpu")
 
     def ram_adapters(self) -> list[str]:
-        return list(self._ram)
+        return self.policy.resident("ram")
 
     def disk_adapters(self) -> list[str]:
-        return list(self._disk)
+        return self.policy.resident("disk")
 
     def refcount(self, adapter_id: str) -> int:
-        s = self._slots.get(adapter_id)
-        return s.refs if s else 0
+        return self.policy.refcount(adapter_id)
 
     def is_local(self, adapter_id: str) -> bool:
-        return adapter_id in self._slots or adapter_id in self._ram or adapter_id in self._disk
+        return self.policy.tier_of(adapter_id) != "remote"
+
+    @property
+    def _ram_used(self) -> int:
+        return self.policy.used_bytes("ram")
+
+    @property
+    def _disk_used(self) -> int:
+        return self.policy.used_bytes("disk")
 
     async def exists(self, adapter_id: str) -> bool:
         """Known here or to the source (registry / catalog)."""
@@ -498,7 +292,7 @@ class AdapterCache:
         c = self.counters
         m = self.metrics
         return {
-            "gpu": len(self._slots), "ram": len(self._ram), "disk": len(self._disk),
+            "gpu": len(self.gpu_adapters()), "ram": len(self.ram_adapters()), "disk": len(self.disk_adapters()),
             "ram_bytes": self._ram_used, "disk_bytes": self._disk_used,
             "loads": dict(c.loads), "load_errors": c.load_errors,
             "evictions": c.evictions, "evictions_in_use": c.evictions_in_use,
@@ -506,7 +300,7 @@ class AdapterCache:
             "slot_hits": c.slot_hits, "slot_misses": c.slot_misses, "slot_waits": c.slot_waits,
             "loads_per_min": m.loads_per_min() if m else 0.0,
             "evictions_per_min": m.evictions_per_min() if m else 0.0,
-            "refs": {a: s.refs for a, s in self._slots.items() if s.refs},
+            "refs": {a: self.refcount(a) for a in self.gpu_adapters() if self.refcount(a)},
         }
 
     # -- request path -----------------------------------------------------------------------
@@ -523,10 +317,7 @@ class AdapterCache:
             if drain is not None:
                 await asyncio.shield(drain)
                 continue
-            slot = self._slots.get(adapter_id)
-            if slot is not None:
-                slot.refs += 1
-                slot.last_used = time.monotonic()
+            if self.policy.take_ref(adapter_id):
                 if not counted:
                     self._count_hit(tier)
                 return tier
@@ -537,22 +328,18 @@ class AdapterCache:
 
     def release(self, adapter_id: str) -> None:
         """Drop one reference (on the event loop). An idle adapter becomes evictable (LRU)."""
-        slot = self._slots.get(adapter_id)
-        if slot is None or slot.refs <= 0:
+        if self.policy.refcount(adapter_id) <= 0:
             log.error("release of %s without a reference", adapter_id)
             return
-        slot.refs -= 1
-        slot.last_used = time.monotonic()
-        if slot.refs == 0:
+        if self.policy.release(adapter_id):
             self._notify_slot_freed()
 
     def _count_hit(self, tier: str) -> None:
+        self.policy.count_request(tier)
         if tier == "gpu":
-            self.counters.slot_hits += 1
             if self.metrics:
                 self.metrics.adapter_slot_hits.inc()
         else:
-            self.counters.slot_misses += 1
             if self.metrics:
                 self.metrics.adapter_slot_misses.labels(tier=tier).inc()
 
@@ -573,27 +360,32 @@ class AdapterCache:
         """Pre-warm into a device slot (no reference kept). Returns the tier it was in."""
         check_adapter_id(adapter_id)
         tier = self.tier_of(adapter_id)
-        while adapter_id not in self._slots:
+        while self.policy.slot(adapter_id) is None:
             drain = self._draining.get(adapter_id)
             if drain is not None:
                 await asyncio.shield(drain)
                 continue
             await self._ensure_mounted(adapter_id)
-        self._slots[adapter_id].last_used = time.monotonic()
+        self.policy.touch(adapter_id)
         return tier
 
     async def prefetch(self, adapter_id: str, *, to_ram: bool = True) -> str:
         """Pull to disk (and RAM when `to_ram`) without taking a slot. Returns the tier it was in."""
         check_adapter_id(adapter_id)
         tier = self.tier_of(adapter_id)
-        if to_ram:
-            if adapter_id not in self._ram:
-                la = await self._ensure_ram(adapter_id)
-                if adapter_id in self._slots:
-                    return tier
-                self._put_ram(la)
-        else:
-            await self._ensure_disk(adapter_id)
+        try:
+            if to_ram:
+                if adapter_id not in self._ram:
+                    la = await self._ensure_ram(adapter_id)
+                    if self.policy.slot(adapter_id) is not None:
+                        return tier
+                    self._put_ram(la)
+            else:
+                await self._ensure_disk(adapter_id)
+        except (AdapterLoadError, AdapterNotFoundError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # a refused archive: say why, as a load would
+            raise AdapterLoadError(adapter_id, error_code(e), str(e) or e.__class__.__name__) from e
         return tier
 
     async def unload(self, adapter_id: str, *, purge_disk: bool = False, timeout: float | None = None) -> dict:
@@ -604,6 +396,7 @@ class AdapterCache:
             await asyncio.shield(self._draining[adapter_id])
         done = asyncio.get_running_loop().create_future()
         self._draining[adapter_id] = done
+        self.policy.hold(adapter_id)  # draining: never an eviction victim meanwhile
         removed: list[str] = []
         try:
             while adapter_id in self._mounting:  # a load in flight: let it land, then remove it
@@ -615,22 +408,24 @@ class AdapterCache:
             async with self._slot_freed:
                 await asyncio.wait_for(
                     self._slot_freed.wait_for(lambda: self.refcount(adapter_id) == 0), timeout)
-            if adapter_id in self._slots:
-                slot = self._slots.pop(adapter_id)
+            if self.policy.slot(adapter_id) is not None:
+                slot = self.policy.unmount(adapter_id)
                 try:
                     await self._run_mount_thread(self.engine.unmount_adapter, adapter_id)
                 except Exception:
-                    self._slots[adapter_id] = slot
+                    self.policy.restore(slot)
                     raise
                 removed.append("gpu")
                 self._notify_slot_freed()
             if adapter_id in self._ram:
                 self._drop_ram(adapter_id)
                 removed.append("ram")
-            if purge_disk and adapter_id in self._disk and adapter_id not in self._pinned_disk:
+            if purge_disk and self.policy.nbytes("disk", adapter_id) is not None \
+                    and not self.policy.is_pinned_disk(adapter_id):
                 self._drop_disk(adapter_id)
                 removed.append("disk")
         finally:
+            self.policy.unhold(adapter_id)
             del self._draining[adapter_id]
             done.set_result(None)
             self._update_gauges()
@@ -653,16 +448,12 @@ class AdapterCache:
                     t.exception()  # retrieved here; callers get it from their own await
 
             task.add_done_callback(_done)
-        self._wanted[adapter_id] = self._wanted.get(adapter_id, 0) + 1
+        self.policy.hold(adapter_id)
         try:
             await asyncio.shield(task)
         finally:
             # the caller takes its reference right after this returns, in the same loop turn
-            n = self._wanted.get(adapter_id, 1) - 1
-            if n <= 0:
-                self._wanted.pop(adapter_id, None)
-            else:
-                self._wanted[adapter_id] = n
+            self.policy.unhold(adapter_id)
 
     async def _load_and_mount(self, adapter_id: str) -> None:
         src_tier = self.tier_of(adapter_id)
@@ -670,12 +461,12 @@ class AdapterCache:
         try:
             la = self._ram.get(adapter_id)
             if la is not None:
-                self._ram.move_to_end(adapter_id)
+                self.policy.touch(adapter_id, "ram")
             else:
                 la = await self._ensure_ram(adapter_id)
             await self._mount(la)
         except BaseException as e:
-            self.counters.load_errors += 1
+            self.policy.count_load(src_tier, ok=False)
             if self.metrics:
                 self.metrics.record_load(src_tier, time.perf_counter() - t0, ok=False)
             if isinstance(e, asyncio.CancelledError):
@@ -683,11 +474,11 @@ class AdapterCache:
             if isinstance(e, (AdapterLoadError, AdapterNotFoundError)):
                 log.warning("load of %s failed: %s", adapter_id, e)
                 raise
-            err = AdapterLoadError(adapter_id, _error_code(e), str(e) or e.__class__.__name__)
+            err = AdapterLoadError(adapter_id, error_code(e), str(e) or e.__class__.__name__)
             log.warning("load of %s failed: %s", adapter_id, err)
             raise err from e
         else:
-            self.counters.loads[src_tier if src_tier != "gpu" else "ram"] += 1
+            self.policy.count_load(src_tier)
             if self.metrics:
                 self.metrics.record_load(src_tier, time.perf_counter() - t0, ok=True)
         finally:
@@ -700,9 +491,11 @@ class AdapterCache:
         lock = self._pool_locks.setdefault(pool, asyncio.Lock())
         async with lock:
             waited = False
-            while self.engine.free_slots(la.rank) <= 0:
-                victim = self._lru_idle(pool)
-                if victim is not None:
+            while True:
+                step, victim = self.policy.plan_mount(la.adapter_id, pool)
+                if step == "free":
+                    break
+                if step == "evict":
                     try:
                         await self._evict_slot(victim)
                     except Exception as e:  # the engine still holds a row of it (a cancel in flight)
@@ -710,45 +503,35 @@ class AdapterCache:
                         await asyncio.sleep(0.005)
                     continue
                 if not waited:
-                    self.counters.slot_waits += 1
+                    self.policy.count_wait()
                     waited = True
                 assert self._slot_freed is not None
                 async with self._slot_freed:
                     # re-check under the condition; wake up at least every second as a safety net
-                    if self._lru_idle(pool) is None and self.engine.free_slots(la.rank) <= 0:
+                    if self.policy.lru_idle(pool) is None and self.policy.free_slots(pool) <= 0:
                         try:
                             await asyncio.wait_for(self._slot_freed.wait(), 1.0)
                         except asyncio.TimeoutError:
                             pass
-            await self._run_mount_thread(
-                self.engine.mount_adapter, la.adapter_id, la.weights,
-                rank=la.rank, alpha=la.alpha, target_modules=list(la.target_modules))
-            now = time.monotonic()
-            self._slots[la.adapter_id] = _Slot(pool=pool, refs=0, last_used=now, mounted_at=now)
+            try:
+                await self._run_mount_thread(
+                    self.engine.mount_adapter, la.adapter_id, la.weights,
+                    rank=la.rank, alpha=la.alpha, target_modules=list(la.target_modules))
+            except BaseException:
+                self.policy.cancel_mount(la.adapter_id)
+                raise
+            self.policy.on_mounted(la.adapter_id, pool)
             if la.adapter_id not in self._ram:
                 self._put_ram(la)
 
-    def _lru_idle(self, pool: int) -> str | None:
-        best, best_t = None, None
-        for aid, s in self._slots.items():
-            if s.pool == pool and s.refs == 0 and aid not in self._draining and aid not in self._wanted:
-                if best_t is None or s.last_used < best_t:
-                    best, best_t = aid, s.last_used
-        return best
-
     async def _evict_slot(self, adapter_id: str) -> None:
-        slot = self._slots.pop(adapter_id)  # gone from the table first: no new reference can land
+        slot = self.policy.evict(adapter_id)  # gone from the table first: no new reference can land
         in_use = slot.refs > 0
-        if in_use:  # never happens by construction; counted so tests and alerts can prove it
-            self.counters.evictions_in_use += 1
         try:
             await self._run_mount_thread(self.engine.unmount_adapter, adapter_id)
         except Exception:
-            self._slots[adapter_id] = slot
+            self.policy.undo_evict(slot)
             raise
-        self.counters.evictions += 1
-        self.counters.eviction_log.append((time.time(), adapter_id, slot.refs))
-        del self.counters.eviction_log[:-256]
         if self.metrics:
             self.metrics.record_eviction("gpu", in_use=in_use)
         log.info("evicted %s from its device slot (pool r%d)", adapter_id, slot.pool)
@@ -762,7 +545,7 @@ class AdapterCache:
         tensors. The caller decides whether to keep them in the RAM tier."""
         la = self._ram.get(adapter_id)
         if la is not None:
-            self._ram.move_to_end(adapter_id)
+            self.policy.touch(adapter_id, "ram")
             return la
         task = self._fetching.get(adapter_id)
         if task is None:
@@ -781,27 +564,26 @@ class AdapterCache:
     async def _disk_to_ram(self, adapter_id: str) -> LoadedAdapter:
         await self._ensure_disk(adapter_id)
         loop = asyncio.get_running_loop()
-        self._pinned_disk.add(adapter_id)
+        self.policy.pin_disk(adapter_id)
         try:
             if adapter_id in self._unverified:
                 if await loop.run_in_executor(self._io, self._recheck_disk, adapter_id):
                     self._unverified.discard(adapter_id)
                 else:  # changed on disk since it was verified: drop it and fetch a fresh copy
                     log.warning("adapter %s changed on disk since it was verified: fetching it again", adapter_id)
-                    self._pinned_disk.discard(adapter_id)
+                    self.policy.unpin_disk(adapter_id)
                     self._drop_disk(adapter_id)
                     await self._ensure_disk(adapter_id)
-                    self._pinned_disk.add(adapter_id)
+                    self.policy.pin_disk(adapter_id)
             la = await loop.run_in_executor(self._io, self._read_disk, adapter_id)
         finally:
-            self._pinned_disk.discard(adapter_id)
-        if adapter_id in self._disk:
-            self._disk.move_to_end(adapter_id)
+            self.policy.unpin_disk(adapter_id)
+        self.policy.touch(adapter_id, "disk")
         return la
 
     async def _ensure_disk(self, adapter_id: str) -> None:
-        if adapter_id in self._disk:
-            self._disk.move_to_end(adapter_id)
+        if self.policy.nbytes("disk", adapter_id) is not None:
+            self.policy.touch(adapter_id, "disk")
             return
         if not await self.source.exists(adapter_id):
             raise AdapterNotFoundError(adapter_id)
@@ -819,10 +601,9 @@ class AdapterCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         nbytes = _dir_bytes(final)
-        self._disk[adapter_id] = nbytes
-        self._disk_used += nbytes
+        victims = self.policy.put("disk", adapter_id, nbytes)
         log.info("fetched %s (%s bytes, version %s)", adapter_id, nbytes, manifest.get("version"))
-        self._trim_disk(keep=adapter_id)
+        self._disk_evicted(victims or [])
 
     def _extract(self, adapter_id: str, lar: Path, dest: Path) -> dict:
         """Verify (signature, checksums, base hash, rank limit) then extract; stamp the folder."""
@@ -890,52 +671,45 @@ class AdapterCache:
     # -- RAM / disk bookkeeping -------------------------------------------------------------
 
     def _put_ram(self, la: LoadedAdapter) -> None:
-        if la.nbytes > self.ram_bytes:
+        victims = self.policy.put("ram", la.adapter_id, la.nbytes)
+        if victims is None:
             return  # larger than the whole tier: serve it from disk each time
-        if la.adapter_id in self._ram:
-            self._ram.move_to_end(la.adapter_id)
-            return
         self._ram[la.adapter_id] = la
-        self._ram_used += la.nbytes
-        while self._ram_used > self.ram_bytes and self._ram:
-            victim = next(iter(self._ram))
-            if victim == la.adapter_id:
-                break
-            self._drop_ram(victim)
-            self.counters.ram_evictions += 1
+        for victim in victims:
+            self._ram.pop(victim, None)
             if self.metrics:
                 self.metrics.record_eviction("ram")
         self._update_gauges()
 
     def _drop_ram(self, adapter_id: str) -> None:
-        la = self._ram.pop(adapter_id, None)
-        if la is not None:
-            self._ram_used -= la.nbytes
+        self.policy.drop("ram", adapter_id)
+        self._ram.pop(adapter_id, None)
 
-    def _trim_disk(self, keep: str | None = None) -> None:
-        for victim in list(self._disk):
-            if self._disk_used <= self.disk_bytes:
-                break
-            if victim == keep or victim in self._pinned_disk or victim in self._fetching:
-                continue
-            self._drop_disk(victim)
-            self.counters.disk_evictions += 1
+    def _trim_disk(self) -> None:
+        self._disk_evicted(self.policy.trim("disk"))
+
+    def _disk_evicted(self, victims: list[str]) -> None:
+        """The policy pushed these out of the disk tier: remove their folders."""
+        for victim in victims:
+            self._remove_disk_folder(victim)
             if self.metrics:
                 self.metrics.record_eviction("disk")
 
     def _drop_disk(self, adapter_id: str) -> None:
+        if self.policy.drop("disk", adapter_id) is not None:
+            self._remove_disk_folder(adapter_id)
         self._unverified.discard(adapter_id)
-        nbytes = self._disk.pop(adapter_id, None)
-        if nbytes is not None:
-            self._disk_used -= nbytes
-            shutil.rmtree(self.adapters_dir / adapter_id, ignore_errors=True)
+
+    def _remove_disk_folder(self, adapter_id: str) -> None:
+        self._unverified.discard(adapter_id)
+        shutil.rmtree(self.adapters_dir / adapter_id, ignore_errors=True)
 
     def _update_gauges(self) -> None:
         m = self.metrics
         if not m:
             return
-        m.adapters_resident.labels(tier="gpu").set(len(self._slots))
-        m.adapters_resident.labels(tier="ram").set(len(self._ram))
-        m.adapters_resident.labels(tier="disk").set(len(self._disk))
+        m.adapters_resident.labels(tier="gpu").set(len(self.gpu_adapters()))
+        m.adapters_resident.labels(tier="ram").set(len(self.ram_adapters()))
+        m.adapters_resident.labels(tier="disk").set(len(self.disk_adapters()))
         m.tier_bytes.labels(tier="ram").set(self._ram_used)
         m.tier_bytes.labels(tier="disk").set(self._disk_used)

@@ -1,0 +1,47 @@
+"""Where a replica's cold adapters come from (the `remote` tier): one module per source.
+
+- `registry.RegistrySource`: production; metadata from the registry, bytes from the object store.
+- `catalog.CatalogSource`: standalone; a fixed `{adapter_id: weights_uri}` catalog into the store.
+- `store.StoreFetch`: fetch a `weights_uri` from the configured object store to a local file.
+- `NoSource`: only adapters already on local disk are served.
+
+A source writes the signed archive; the cache verifies it before a byte of it is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from handler.errors import AdapterNotFoundError
+
+
+class AdapterSource(Protocol):
+    """Where cold adapters come from (the `remote` tier)."""
+
+    async def exists(self, adapter_id: str) -> bool: ...
+
+    async def fetch(self, adapter_id: str, dest: Path) -> None:
+        """Write the adapter's signed archive to `dest` (unverified: the cache verifies it)."""
+
+    async def close(self) -> None: ...
+
+
+class NoSource:
+    """No registry and no catalog: only adapters already on local disk are served."""
+
+    async def exists(self, adapter_id: str) -> bool:
+        return False
+
+    async def fetch(self, adapter_id: str, dest: Path) -> None:
+        raise AdapterNotFoundError(adapter_id)
+
+    async def close(self) -> None:
+        pass
+
+
+from handler.sources.catalog import CatalogSource  # noqa: E402
+from handler.sources.registry import RegistrySource  # noqa: E402
+from handler.sources.store import StoreFetch  # noqa: E402
+
+__all__ = ["AdapterSource", "CatalogSource", "NoSource", "RegistrySource", "StoreFetch"]
