@@ -32,10 +32,11 @@ from handler import openai_schemas as oai
 from handler.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
 from handler.handler import Generation, HandlerContext, Limits, LoraHandler, load_error_to_openai
 from handler.metrics import CONTENT_TYPE, ReplicaMetrics
+from lorafarm.openapi import openapi_config
 
 log = logging.getLogger("lorafarm.replica")
 
-PUBLIC_PATHS = ("/health", "/metrics")
+PUBLIC_PATHS = ("/health", "/metrics", "/schema/openapi.json")
 
 
 @dataclass
@@ -537,7 +538,10 @@ def create_app(config: ReplicaConfig) -> Litestar:
         exception_handlers={oai.OpenAIError: _openai_error_handler, HTTPException: _http_error_handler,
                             ClientDisconnected: _disconnected_handler, Exception: _server_error_handler},
         request_max_body_size=config.limits.max_body_bytes,
-        openapi_config=None,
+        openapi_config=openapi_config(
+            "lorafarm replica", "One replica: OpenAI-compatible completions and the internal adapter API.",
+            {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest},
+            "the farm's admin token"),
         debug=False,
     )
     app.state.replica = service

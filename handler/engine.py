@@ -387,6 +387,10 @@ class Engine:
             raise InvalidRequestError("prompt_ids is empty")
         if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        try:  # before any reference is taken: a seed torch refuses must leave nothing behind
+            generator = make_generator(params, self.device)
+        except (RuntimeError, OverflowError, ValueError) as e:
+            raise InvalidRequestError(f"invalid seed: {e}") from None
         total = len(prompt) + params.max_tokens
         if total > self.max_context:
             raise RequestTooLongError(
@@ -408,7 +412,7 @@ class Engine:
                     raise UnknownAdapterError(f"adapter {adapter_id} is not mounted")
                 m.refs += 1
                 slot = m.slot
-            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, make_generator(params, self.device))
+            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, generator)
             self._requests[request_id] = req
             self._waiting.append(req)
             self._cond.notify_all()

@@ -433,20 +433,22 @@ class LoraHandler:
             finally:
                 self._waiting_for_adapter -= 1
         gen = Generation(self, greq, timer)
-        body = greq.body
-        temperature = float(body.temperature)
-        params = SamplingParams(max_tokens=greq.max_tokens, temperature=temperature, top_p=float(body.top_p),
-                                seed=body.seed, stop=tuple(greq.stop), ignore_eos=bool(body.ignore_eos))
         self._inflight[greq.request_id] = gen
         try:
+            body = greq.body
+            params = SamplingParams(max_tokens=greq.max_tokens, temperature=float(body.temperature),
+                                    top_p=float(body.top_p), seed=body.seed, stop=tuple(greq.stop),
+                                    ignore_eos=bool(body.ignore_eos))
             self.engine.add_request(greq.request_id, greq.prompt_ids, params, greq.adapter_id, gen._on_event)
-        except Exception as e:
+        except BaseException as e:  # a failed admission keeps no reference (the cache's nor the engine's)
             gen._done = True
             gen._release()
             from handler.engine import InvalidRequestError
 
             if isinstance(e, InvalidRequestError):
                 raise oai.bad_request(str(e), code="invalid_request") from None
+            if not isinstance(e, Exception):
+                raise
             raise oai.OpenAIError(503, f"the engine refused the request: {e}", type="server_error",
                                   code="engine_unavailable") from None
         timer.on_scheduled()

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy (logits / T would overflow to inf/nan)
 
 
 class OpenAIError(Exception):
@@ -81,7 +83,7 @@ class _SamplingFields(_Lenient):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -94,6 +96,11 @@ class _SamplingFields(_Lenient):
         if v is None:
             return 1.0
         return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, v):
+        return 0.0 if v < GREEDY_BELOW else v
 
     @field_validator("stop")
     @classmethod
@@ -136,8 +143,8 @@ class ChatCompletionRequest(_SamplingFields):
     def _check(self):
         if self.logprobs:
             raise ValueError("logprobs are not supported")
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
+        if self.max_completion_tokens is not None:  # both sent: the smaller, as the router charges
+            self.max_tokens = min(self.max_tokens or self.max_completion_tokens, self.max_completion_tokens)
         return self
 
 
@@ -186,6 +193,8 @@ def parse_request(model: type[_SamplingFields], raw: bytes | dict) -> Any:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad_request(f"The request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise bad_request("The request body is nested too deeply.") from None
     else:
         data = raw
     if not isinstance(data, dict):

@@ -79,6 +79,7 @@ class Farm:
     demo_adapters: int = DEMO_ADAPTERS
     router_args: list[str] = field(default_factory=list)  # extra `lorafarm router` flags
     replica_args: list[str] = field(default_factory=list)  # extra `lorafarm replica` flags
+    registry_args: list[str] = field(default_factory=list)  # extra `lorafarm registry` flags
     # A mixed farm: more base models (name -> checkpoint dir) and, per replica, the base it serves
     # (default: every replica serves the dev model, whose demo adapters are seeded).
     extra_bases: dict[str, Path] = field(default_factory=dict)
@@ -164,6 +165,16 @@ class Farm:
         )
 
     def start(self) -> None:
+        self.start_registry()
+        for i in range(self.replicas):
+            self.start_replica(i, wait=False)
+        self.start_router()
+        for i in range(self.replicas):
+            self.wait_healthy(f"replica-r{i}", self.replica_url(i))
+        self.wait_healthy("router", self.router_url)
+
+    def start_registry(self) -> None:
+        """The registry on its port and state (sqlite, store, key): also a restart after a stop/kill."""
         state = self.state_dir.resolve()
         self._spawn(
             "registry",
@@ -175,31 +186,33 @@ class Farm:
                 "--store-url", f"file://{state / 'store'}",
                 "--signing-key", str(state / "keys" / "private.pem"),
                 *[a for name, d in self.base_models.items() for a in ("--base-model", f"{name}={d}")],
+                *self.registry_args,
             ],
         )  # fmt: skip
         self.wait_healthy("registry", self.registry_url)
-        for i in range(self.replicas):
-            rid = f"r{i}"
-            self._spawn(
-                f"replica-{rid}",
-                [
-                    "replica",
-                    "--id", rid,
-                    "--host", self.host,
-                    "--port", str(self.ports.replica_base + i),
-                    "--base", str(self.base_models[self.replica_base(i)]),
-                    "--model-name", self.replica_base(i),
-                    "--registry", self.registry_url,
-                    "--store-url", f"file://{state / 'store'}",
-                    "--trust", str(state / "keys" / "public.pem"),
-                    "--disk-dir", str(state / "replicas" / rid),
-                    *self.replica_args,
-                ],
-            )  # fmt: skip
-        self.start_router()
-        for i in range(self.replicas):
-            self.wait_healthy(f"replica-r{i}", self.replica_url(i))
-        self.wait_healthy("router", self.router_url)
+
+    def start_replica(self, i: int, *, wait: bool = True) -> None:
+        """Replica r<i> on its port and disk dir: also a restart after a kill."""
+        state = self.state_dir.resolve()
+        rid = f"r{i}"
+        self._spawn(
+            f"replica-{rid}",
+            [
+                "replica",
+                "--id", rid,
+                "--host", self.host,
+                "--port", str(self.ports.replica_base + i),
+                "--base", str(self.base_models[self.replica_base(i)]),
+                "--model-name", self.replica_base(i),
+                "--registry", self.registry_url,
+                "--store-url", f"file://{state / 'store'}",
+                "--trust", str(state / "keys" / "public.pem"),
+                "--disk-dir", str(state / "replicas" / rid),
+                *self.replica_args,
+            ],
+        )  # fmt: skip
+        if wait:
+            self.wait_healthy(f"replica-{rid}", self.replica_url(i))
 
     def start_router(self) -> None:
         args = ["router", "--host", self.host, "--port", str(self.ports.router), "--registry", self.registry_url]

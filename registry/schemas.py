@@ -214,6 +214,8 @@ class RoutingTable(BaseModel):
     base_models: dict[str, str]
     replicas: list[ReplicaOut]
     rank_limit: int
+    # keys revoked within the last hour: routers forget cached tenants verified with them
+    revoked_key_ids: list[str] = []
 
 
 class Health(BaseModel):

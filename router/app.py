@@ -76,7 +76,7 @@ class RouterCore:
         )
         self.catalog = Catalog(self.view, default_owners_k=s.default_owners_k)
         self.auth = AuthCache(
-            self.registry.verify_api_key,
+            self._verify_key,
             ttl=s.auth_ttl,
             negative_ttl=s.auth_negative_ttl,
             stale_grace=s.auth_stale_grace,
@@ -106,6 +106,10 @@ class RouterCore:
         self._registry_down_logged = False
         self._stats_since = time.monotonic()
 
+    async def _verify_key(self, api_key: str) -> dict | None:
+        self.metrics.registry_calls.labels("auth").inc()
+        return await self.registry.verify_api_key(api_key)
+
     # -- background loops ----------------------------------------------------------------------
 
     async def refresh_routing(self) -> bool:
@@ -124,6 +128,7 @@ class RouterCore:
         if table is None:
             return False
         self.view.apply_table(table)
+        self.auth.revoke_key_ids(self.view.table.revoked_key_ids)
         self.etag = etag
         if self.view.table.version is not None:
             with contextlib.suppress(TypeError, ValueError):
@@ -292,13 +297,18 @@ class RouterCore:
         self.view.acquire(first, parsed.cost)
         self.metrics.in_flight.inc()
         try:
-            outcome = await self.proxy.open(
-                ranked,
-                UPSTREAM_PATH[endpoint],
-                payload,
-                request_id=request_id,
-                tenant_id=tenant.tenant_id,
-                read_whole_body=not parsed.stream,
+            # a client that hangs up before the answer is ready cancels it (the upstream request is
+            # closed, which cancels the generation on the replica): streamed or not
+            outcome = await _unless_disconnected(
+                request,
+                self.proxy.open(
+                    ranked,
+                    UPSTREAM_PATH[endpoint],
+                    payload,
+                    request_id=request_id,
+                    tenant_id=tenant.tenant_id,
+                    read_whole_body=not parsed.stream,
+                ),
             )
         except BaseException:
             self.view.release(first, parsed.cost)
@@ -424,8 +434,10 @@ class RouterCore:
 
     def health(self) -> tuple[int, dict]:
         snap = self.view.snapshot()
+        status = "starting" if not self.view.table_loaded else "degraded" if self._registry_down_logged else "ok"
         body = {
-            "status": "ok" if self.view.table_loaded else "starting",
+            "status": status,  # degraded: serving from the last routing table, the registry is unreachable
+            "registry_reachable": not self._registry_down_logged,
             "routing_table_version": self.view.table.version,
             "replicas": len(snap.replicas),
             "replicas_healthy": sum(1 for r in snap.replicas if r.healthy),
@@ -433,6 +445,34 @@ class RouterCore:
             "strategy": self.settings.strategy,
         }
         return (200 if self.view.table_loaded else 503), body
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await `coro`; if the client disconnects first, cancel it and raise a 499 ApiError. (The body
+    is already read, so the next ASGI message can only be the disconnect.)"""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            result = await task
+            if isinstance(result, Opened):  # it answered just as the client left
+                await result.aclose()
+        raise ApiError(499, "The client closed the request.", code="client_closed")
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _printable(text: str, limit: int = 200) -> str:
@@ -501,6 +541,17 @@ def _internal_error_handler(request: Request, exc: Exception) -> Response:
     return _error_response(ApiError(500, "Internal error in the router.", type_="server_error", code="internal_error"))
 
 
+def _openapi():
+    from handler.openai_schemas import ChatCompletionRequest, CompletionRequest  # the shapes forwarded
+    from lorafarm.openapi import openapi_config
+
+    return openapi_config(
+        "lorafarm router", "OpenAI-compatible gateway in front of the replicas.",
+        {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+        "a tenant API key",
+    )
+
+
 def create_app(
     settings: RouterSettings | None = None,
     *,
@@ -528,7 +579,7 @@ def create_app(
             HTTPException: _http_error_handler,
             Exception: _internal_error_handler,
         },
-        openapi_config=None,
+        openapi_config=_openapi(),
         logging_config=None,  # leave logging to the process (CLI) and to pytest
         debug=False,
     )

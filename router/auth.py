@@ -38,6 +38,9 @@ class Tenant:
         )
 
 
+MAX_KEY_CHARS = 512  # the registry's limit: a longer key cannot be valid, so it is refused here
+
+
 class InvalidApiKey(Exception):
     """The registry says this key is unknown or revoked (401)."""
 
@@ -82,8 +85,8 @@ class AuthCache:
         return hashlib.sha256(api_key.encode()).hexdigest()
 
     async def tenant_for(self, api_key: str) -> Tenant:
-        if not api_key:
-            raise InvalidApiKey("missing API key")
+        if not api_key or len(api_key) > MAX_KEY_CHARS or not api_key.isascii() or not api_key.isprintable():
+            raise InvalidApiKey("missing or malformed API key")  # no registry call for what cannot be a key
         digest = self._digest(api_key)
         now = self.clock()
         entry = self._entries.get(digest)
@@ -119,18 +122,35 @@ class AuthCache:
         try:
             body = await self.verify(api_key)
         except Exception as e:
-            now = self.clock()
-            if old is not None and old.tenant is not None and now - old.verified_at <= self.stale_grace:
-                log.warning("registry unreachable for auth (%s); using the cached tenant %s", e, old.tenant.tenant_id)
-                return old.tenant
-            log.warning("cannot verify an API key: %s", e)
-            raise AuthUnavailable(f"cannot verify the API key: registry unreachable ({type(e).__name__})") from e
+            if 400 <= getattr(e, "status", 0) < 500 and getattr(e, "status", 0) not in (401, 403, 408, 429):
+                body = None  # the registry refused the key itself (malformed): invalid, negatively cached
+            else:
+                return self._unreachable(e, old)
         now = self.clock()
         tenant = Tenant.from_verify(body) if body else None
         if len(self._entries) >= self.max_entries:
             self._evict(now)
         self._entries[digest] = _Entry(tenant, now + (self.ttl if tenant else self.negative_ttl), now)
         return tenant
+
+    def _unreachable(self, e: Exception, old: _Entry | None) -> Tenant:
+        now = self.clock()
+        if old is not None and old.tenant is not None and now - old.verified_at <= self.stale_grace:
+            log.warning("registry unreachable for auth (%s); using the cached tenant %s", e, old.tenant.tenant_id)
+            return old.tenant
+        log.warning("cannot verify an API key: %s", e)
+        raise AuthUnavailable(f"cannot verify the API key: registry unreachable ({type(e).__name__})") from e
+
+    def revoke_key_ids(self, key_ids) -> int:
+        """Forget every cached tenant verified with one of `key_ids` (the registry revoked them):
+        their next request is checked again. Returns how many entries were dropped."""
+        ids = set(key_ids)
+        if not ids:
+            return 0
+        gone = [d for d, e in self._entries.items() if e.tenant is not None and e.tenant.key_id in ids]
+        for d in gone:
+            del self._entries[d]
+        return len(gone)
 
     def _evict(self, now: float) -> None:
         for d in [d for d, e in self._entries.items() if e.expires <= now]:

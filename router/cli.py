@@ -34,6 +34,10 @@ def _router(args: argparse.Namespace) -> int:
             load_threshold_tokens=args.load_threshold_tokens,
             stats_window=args.stats_window,
             slo_ttft_target=args.slo_ttft,
+            first_byte_timeout=args.first_byte_timeout,
+            read_timeout=args.read_timeout,
+            state_timeout=args.state_timeout,
+            health_timeout=args.state_timeout,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -77,5 +81,11 @@ def register(sub) -> None:
                    help="seconds between per-adapter stats pushes to the registry (default 10)")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=float(os.environ.get("LORAFARM_SLO_TTFT_TARGET") or 1.0),
                    help="per-tenant p95 TTFT target in seconds (default 1.0)")  # fmt: skip
+    p.add_argument("--first-byte-timeout", type=float, default=10.0,
+                   help="seconds a replica may take to send a stream's first byte before failover (default 10)")  # fmt: skip
+    p.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds between two chunks of a stream before it ends with an error event (default 10)")  # fmt: skip
+    p.add_argument("--state-timeout", type=float, default=1.5,
+                   help="seconds a replica's state and health checks may take (default 1.5)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_router)

@@ -70,6 +70,10 @@ class RouterMetrics:
         self.registry_errors = Counter(
             "lorafarm_router_registry_errors", "Failed registry calls", ["call"], registry=r
         )
+        self.registry_calls = Counter(
+            "lorafarm_router_registry_calls", "Registry calls made (auth: key checks; routing: table fetches)",
+            ["kind"], registry=r,
+        )  # fmt: skip
 
     def observe_replica(self, s: ReplicaSnapshot) -> None:
         self.replica_healthy.labels(s.replica_id).set(1 if s.healthy else 0)

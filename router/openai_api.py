@@ -9,6 +9,8 @@ from dataclasses import dataclass
 CHAT = "chat"
 COMPLETIONS = "completions"
 UPSTREAM_PATH = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+# what a torch.Generator accepts as a seed (the replica refuses the rest the same way)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class ApiError(Exception):
@@ -95,8 +97,10 @@ def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
 def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedRequest:
     try:
         body = json.loads(raw) if raw else None
-    except ValueError:
+    except ValueError:  # also invalid UTF-8 (UnicodeDecodeError)
         raise ApiError(400, "The request body is not valid JSON.") from None
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model")
@@ -114,11 +118,19 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
         stream = False
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be a positive integer", param="max_tokens")
+    # both fields may be sent: the replica generates the smaller, so that is what is charged
+    limits = []
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ApiError(400, f"'{name}' must be a positive integer", param=name)
+        limits.append(v)
+    max_tokens = min(limits) if limits else default_max_tokens
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
+        raise ApiError(400, f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}]", param="seed")
     n = body.get("n", 1)
     if n is None:
         n = 1

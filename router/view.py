@@ -90,6 +90,7 @@ class RoutingTable:
     replicas: list[dict] = field(default_factory=list)
     rank_limit: int | None = None
     tenant_aliases: dict[str, list[str]] = field(default_factory=dict)
+    revoked_key_ids: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, table: dict) -> RoutingTable:
@@ -108,6 +109,7 @@ class RoutingTable:
             replicas=[r for r in (table.get("replicas") or []) if isinstance(r, dict) and r.get("replica_id")],
             rank_limit=table.get("rank_limit"),
             tenant_aliases=by_tenant,
+            revoked_key_ids=tuple(str(k) for k in (table.get("revoked_key_ids") or ())),
         )
 
 

@@ -186,7 +186,7 @@ class AdapterController(Controller):
 
         s = ctx.settings
         tenant_id = (data.tenant_id or "").strip()
-        if not _TENANT_RE.match(tenant_id):
+        if not _TENANT_RE.fullmatch(tenant_id):
             raise ApiError(400, f"tenant_id {tenant_id!r} is not a tenant id", code="validation_error", param="tenant_id")
         alias = (data.alias or "").strip() or None
         if alias:

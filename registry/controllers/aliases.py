@@ -24,7 +24,7 @@ AliasName = Parameter(pattern=ALIAS_NAME_PATTERN, description="`name:tag` (after
 
 def check_alias_name(alias: str, tenant_id: str | None = None) -> str:
     """The alias's tenant; 422 when malformed or, given `tenant_id`, owned by another tenant."""
-    if not _ALIAS_RE.match(alias):
+    if not _ALIAS_RE.fullmatch(alias):  # fullmatch: `$` would let a trailing newline through
         raise ApiError(422, f"alias {alias!r} is not of the form <tenant_id>/<name>:<tag>", code="invalid_alias",
                        param="alias")
     owner = alias.split("/", 1)[0]

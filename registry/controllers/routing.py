@@ -13,7 +13,10 @@ from registry import placement
 from registry.context import RegistryContext
 from registry.controllers.common import admin_guard, errors, get_ctx, replica_out
 from registry.schemas import RoutingAdapter, RoutingAlias, RoutingTable, StatsIn
-from registry.tables import Adapter, AdapterStat, Alias, RegistryState, Replica, as_utc, utcnow
+from registry.tables import Adapter, AdapterStat, ApiKey, Alias, RegistryState, Replica, as_utc, utcnow
+
+
+REVOKED_KEPT = timedelta(hours=1)  # longer than any router's auth-cache TTL
 
 
 class StatsController(Controller):
@@ -83,6 +86,12 @@ class RoutingController(Controller):
             )).all()
             replicas = (await session.execute(select(Replica).order_by(Replica.replica_id))).scalars().all()
             known = await ctx.known_base_hashes(session)
+            since = utcnow() - REVOKED_KEPT
+            revoked = [
+                k for k, at in (await session.execute(
+                    select(ApiKey.key_id, ApiKey.revoked_at).where(ApiKey.revoked_at.is_not(None))
+                )).all() if as_utc(at) > since
+            ]  # fmt: skip
         base_models = {b.name: b.hash for b in ctx.base_models.values()}
         for r in replicas:
             for m in r.models or []:
@@ -105,5 +114,6 @@ class RoutingController(Controller):
             base_models=base_models,
             replicas=[replica_out(r) for r in replicas],
             rank_limit=ctx.settings.rank_limit,
+            revoked_key_ids=sorted(revoked),
         )
         return Response(table, headers={"ETag": etag, "Cache-Control": "no-cache"})

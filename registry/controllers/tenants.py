@@ -113,6 +113,7 @@ class TenantController(Controller):
                 raise ApiError(404, f"tenant {tenant_id!r} has no key {key_id!r}", code="key_not_found")
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
+                await ctx.db.bump(session)  # routers drop the key from their auth caches at their next poll
 
 
 class AuthController(Controller):
