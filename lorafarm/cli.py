@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "loadtests.cli",
     "router.cli",
     "lorafarm.capacity_cli",
+    "loadtests.simulate_cli",
 ]
 
 

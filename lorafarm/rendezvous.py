@@ -7,10 +7,12 @@ N replicas moves only about 1/N of the placements. Shared by the registry and th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 
 
+@functools.lru_cache(maxsize=1 << 18)  # pure: the router scores the same (adapter, replica) pairs all day
 def score(adapter_id: str, replica_id: str, weight: float = 1.0) -> float:
     """A deterministic score in (0, inf); `weight` scales a replica's share (weighted HRW)."""
     digest = hashlib.blake2b(f"{adapter_id}\x00{replica_id}".encode(), digest_size=8).digest()

@@ -1,0 +1,627 @@
+"""Fleet simulator: a discrete-event (SimPy) model of the farm that runs the real routing and cache code.
+
+What is real and what is modelled:
+- Routing is the router's own code: a `router.view.ReplicaView` fed with the routing table and each
+  replica's `ReplicaState` every `poll_s` (as its poll loop does), its `acquire`/`release` of the
+  router's own in-flight estimate, and `router.routing.choose()` over its `snapshot()`.
+- Each replica's cache is the replica's own `handler.slots.SlotPolicy` (LRU over idle adapters,
+  reference counts, RAM/disk byte budgets), driven through `acquire` / `on_loaded` / `release`.
+- Owner counts follow the registry's rule (`registry.placement.add_window` + `owner_count`, with the
+  registry's default settings) from the same per-adapter token counts the router pushes every
+  `stats_window_s`.
+- The autoscaler is the Kubernetes HPA algorithm (`loadtests.autoscale.Hpa`) on the metrics the
+  ScaledObject in deploy/ reads (mean queue depth and tokens in flight per replica).
+- Modelled: arrivals (Poisson, thinned for a rate curve; Zipf adapter mix and log-normal lengths with
+  the shapes of `loadtests.workload`), a load from a tier as a fixed delay (the seed's 8 ms / 40 ms /
+  0.4 s) through `load_concurrency` loader threads, and the engine as continuous batching in steps:
+  a step takes `decode_step_s + decode_step_per_row_s x rows + prefill_tokens / prefill_tokens_per_s`
+  (the seed: 50 ms per decode step of up to 32 rows, 8,000 prefill tokens/s); a request admitted in
+  a step gets its first token at the step's end (TTFT = queue + adapter wait + that step) and one
+  more token per step after.
+
+Results exclude the first `warmup_s` seconds (adapters reach their steady tiers first).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import random
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import simpy
+
+from handler.slots import SlotPolicy
+from loadtests.workload import _lognormal_int, zipf_weights
+from lorafarm import capacity as cap
+from lorafarm.schemas import ReplicaState
+from registry import placement
+from registry.settings import RegistrySettings
+from router.routing import RouteRequest, ViewSnapshot, choose
+from router.view import ReplicaView
+
+BASE_HASH = "sha256:sim-base"
+BASE_NAME = "sim-base"
+HOT_ADAPTER = "ad-hot"
+PROMPT_SIGMA = 0.6  # log-normal shapes of loadtests.workload.generate
+OUTPUT_SIGMA = 0.5
+TIERS = ("gpu", "ram", "disk", "remote")
+SIM_EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass
+class AutoscaleConfig:
+    """HPA on external metrics (what deploy/ configures): see loadtests.autoscale."""
+
+    min_replicas: int = 2
+    max_replicas: int = 64
+    target_queue_depth: float = 2.0  # mean requests waiting per replica
+    target_tokens_in_flight: float = 3000.0  # mean tokens in flight per replica
+    sync_s: float = 15.0
+    metric_window_s: float = 60.0  # the Prometheus query's averaging window
+    scale_down_window_s: float = 300.0
+    tolerance: float = 0.1
+    startup_s: float = 30.0  # pod scheduled + container started (node already up)
+    base_load_s: float = 14.0  # the seed's 14 GB at 1 GB/s
+
+
+@dataclass
+class SimConfig:
+    replicas: int = 26
+    adapters: int = 5000
+    rate: float = 40.0  # requests/s (peak of the rate curve when one is given)
+    duration: float = 3600.0  # simulated seconds of arrivals
+    warmup_s: float = 60.0
+    slots: int = 250  # device slots (one rank pool of `rank`)
+    rank: int = 16
+    routing: str = "affinity"  # affinity | random
+    strategy: str = "least_tokens"
+    owners_k: int = 2
+    zipf_s: float = 1.1
+    prompt_tokens: float = 750.0  # means (the log-normal medians are set so the means match)
+    output_tokens: float = 250.0
+    max_request_tokens: int = 2000
+    max_batch: int = 32
+    decode_step_s: float = 0.05
+    decode_step_per_row_s: float = 0.0
+    prefill_tokens_per_s: float = 8000.0
+    load_s: dict[str, float] = field(default_factory=lambda: {"gpu": 0.0, "ram": 0.008, "disk": 0.04,
+                                                              "remote": 0.4})
+    load_concurrency: int = 2  # the replica's io threads
+    ram_adapters: int = 385  # host RAM tier, in adapters of the fleet's size (the seed's 31 GB)
+    disk_adapters: int = 2500
+    adapter_bytes: int = 79_953_920
+    poll_s: float = 1.0
+    load_threshold_tokens: int = 32_000  # the router's overload threshold at this scale (see docs/scale.md)
+    load_threshold_queue: int = 16
+    stats_window_s: float = 10.0
+    hot_tokens_per_s: float = 0.0  # a hot tenant's output tokens/s (0: none)
+    gpu_price_per_h: float = 2.5
+    seed: int = 0
+    rate_curve: Callable[[float], float] | None = None  # t -> share of `rate` (0..1)
+    autoscale: AutoscaleConfig | None = None
+    sample_s: float = 10.0  # time series resolution
+    progress: bool = False
+
+    def check(self) -> None:
+        if self.replicas < 1 or self.adapters < 1 or self.rate < 0 or self.duration <= 0:
+            raise ValueError("replicas and adapters must be >= 1, rate >= 0 and duration > 0")
+        if self.slots < 1 or self.max_batch < 1 or self.load_concurrency < 1:
+            raise ValueError("slots, max_batch and load_concurrency must be >= 1")
+        if self.routing not in ("affinity", "random"):
+            raise ValueError(f"routing must be affinity or random, not {self.routing!r}")
+        if self.warmup_s >= self.duration:
+            raise ValueError("warmup_s must be shorter than the duration")
+
+
+class Req:
+    __slots__ = ("arrival", "adapter", "prompt", "output", "est", "replica", "tier", "ttft", "hot", "counted")
+
+    def __init__(self, arrival: float, adapter: str, prompt: int, output: int, hot: bool = False):
+        self.arrival = arrival
+        self.adapter = adapter
+        self.prompt = prompt
+        self.output = output
+        self.est = prompt + output  # the router's cost estimate (prompt + max_tokens)
+        self.replica = ""
+        self.tier = ""
+        self.ttft = math.nan
+        self.hot = hot
+
+
+class SimReplica:
+    """One replica: the real slot policy, loads as delays, the engine as continuous batching."""
+
+    def __init__(self, sim: Simulation, rid: str):
+        c = sim.cfg
+        self.sim, self.env, self.cfg, self.rid = sim, sim.env, c, rid
+        self.policy = SlotPolicy({c.rank: c.slots}, ram_bytes=c.ram_adapters * c.adapter_bytes,
+                                 disk_bytes=c.disk_adapters * c.adapter_bytes, clock=lambda: self.env.now)
+        self.ready: deque[Req] = deque()
+        self.running: list[tuple[int, int, Req]] = []  # heap of (finish step, seq, request)
+        self.step = 0
+        self.sum_finish = 0
+        self.waiting_tokens = 0  # prompt + output of requests not yet running
+        self.queued = 0  # requests arrived and not yet running (loading or batch full)
+        self.joiners: dict[str, list[Req]] = defaultdict(list)
+        self.slot_waiters: deque[Req] = deque()
+        self.loader = simpy.Resource(self.env, capacity=c.load_concurrency)
+        self.wake: simpy.Event | None = None
+        self.accepting = True
+        self.busy_time = 0.0
+        self.served_tokens = 0
+        self._seq = 0
+        self.env.process(self._loop())
+
+    # -- state the router polls --------------------------------------------------------------
+
+    def tokens_in_flight(self) -> int:
+        return self.waiting_tokens + self.sum_finish - len(self.running) * self.step
+
+    def state(self) -> ReplicaState:
+        p = self.policy
+        return ReplicaState(replica_id=self.rid, base_model_hash=BASE_HASH, models=[BASE_NAME],
+                            gpu_adapters=p.resident("gpu"), ram_adapters=p.resident("ram"),
+                            queue_depth=self.queued, running=len(self.running),
+                            tokens_in_flight=self.tokens_in_flight())
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def warm(self, owned: list[str]) -> None:
+        """What the replica's start-up pull leaves: owned adapters on disk and in RAM, the first
+        `slots` of them mounted (idle)."""
+        p, size = self.policy, self.cfg.adapter_bytes
+        for i, aid in enumerate(owned):
+            p.put("disk", aid, size)
+            p.put("ram", aid, size)
+            if i < self.cfg.slots:
+                plan = p.acquire(aid, self.cfg.rank, size, retry=True)
+                if plan.action == "load":
+                    p.on_loaded(plan)
+                    p.release(aid)
+
+    def arrive(self, req: Req) -> None:
+        req.replica = self.rid
+        self.queued += 1
+        self.waiting_tokens += req.est
+        plan = self.policy.acquire(req.adapter, self.cfg.rank, self.cfg.adapter_bytes)
+        req.tier = plan.tier
+        self._follow(req, plan)
+
+    def _follow(self, req: Req, plan) -> None:
+        if plan.action == "hit":
+            self._ready(req)
+        elif plan.action == "join":
+            self.joiners[req.adapter].append(req)
+        elif plan.action == "wait":
+            self.slot_waiters.append(req)
+        else:
+            self.env.process(self._load(req, plan))
+
+    def _load(self, req: Req, plan):
+        with self.loader.request() as turn:
+            yield turn
+            yield self.env.timeout(self.cfg.load_s[plan.tier])
+        self.policy.on_loaded(plan)
+        self._ready(req)
+        for other in self.joiners.pop(req.adapter, ()):
+            self._follow(other, self.policy.acquire(other.adapter, self.cfg.rank, self.cfg.adapter_bytes,
+                                                    retry=True))
+
+    def _ready(self, req: Req) -> None:
+        self.ready.append(req)
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def _finish(self, req: Req) -> None:
+        if self.policy.release(req.adapter) and self.slot_waiters:
+            waiters, self.slot_waiters = self.slot_waiters, deque()
+            for w in waiters:
+                self._follow(w, self.policy.acquire(w.adapter, self.cfg.rank, self.cfg.adapter_bytes, retry=True))
+        self.served_tokens += req.output
+        self.sim.finished(req)
+
+    # -- the engine --------------------------------------------------------------------------
+
+    def _loop(self):
+        env, c = self.env, self.cfg
+        while True:
+            if not self.ready and not self.running:
+                self.wake = env.event()
+                yield self.wake
+                self.wake = None
+            admitted: list[Req] = []
+            prefill = 0
+            room = c.max_batch - len(self.running)
+            while self.ready and len(admitted) < room:
+                r = self.ready.popleft()
+                admitted.append(r)
+                prefill += r.prompt
+            rows = len(self.running) + len(admitted)
+            dt = c.decode_step_s + c.decode_step_per_row_s * rows + prefill / c.prefill_tokens_per_s
+            yield env.timeout(dt)
+            self.step += 1
+            self.busy_time += dt
+            now = env.now
+            for r in admitted:
+                r.ttft = now - r.arrival
+                finish = self.step + r.output - 1
+                self._seq += 1
+                heapq.heappush(self.running, (finish, self._seq, r))
+                self.sum_finish += finish
+                self.waiting_tokens -= r.est
+                self.queued -= 1
+            while self.running and self.running[0][0] <= self.step:
+                finish, _, r = heapq.heappop(self.running)
+                self.sum_finish -= finish
+                self._finish(r)
+
+
+@dataclass
+class SimResult:
+    config: dict
+    requests: int
+    p50_ttft_s: float
+    p95_ttft_s: float
+    p99_ttft_s: float
+    ttft_by_tier: dict[str, dict[str, float]]
+    tier_share: dict[str, float]
+    device_hit_rate: float
+    ram_hit_rate: float
+    evictions_per_min: float
+    evictions_in_use: int
+    slot_waits: int
+    replicas: int  # at the end
+    mean_replicas: float
+    replica_requests: dict[str, int]  # requests per replica (measured window)
+    replica_busy: dict[str, float]  # share of the time each replica ran steps
+    output_tokens_per_s: float
+    cost_per_h: float
+    cost_per_m_tokens: float  # prompt + output
+    cost_per_m_output_tokens: float
+    hot: dict | None
+    series: dict[str, list]  # t, replicas, rate, p95 per sample window, hot owners
+    wall_s: float
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("series")
+        d.pop("config")
+        return d
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig):
+        cfg.check()
+        self.cfg = cfg
+        self.env = simpy.Environment()
+        self.rng = random.Random(cfg.seed)
+        self.route_rng = random.Random(cfg.seed + 1)
+        self.reg = RegistrySettings()
+        self.view = ReplicaView(None, load_threshold_tokens=cfg.load_threshold_tokens,
+                                load_threshold_queue=cfg.load_threshold_queue)
+        self.adapter_ids = [f"ad-{i:05d}" for i in range(cfg.adapters)]
+        self.cum = list(np.cumsum(zipf_weights(cfg.adapters, cfg.zipf_s)))
+        self.replicas: dict[str, SimReplica] = {}
+        self._snaps: dict = {}  # replica id -> its ReplicaSnapshot until the entry changes
+        self.all_replicas: list[SimReplica] = []  # including removed ones (their counters)
+        self.next_ordinal = 0
+        self.owners_k: dict[str, int] = {}
+        self.rate_est: dict[str, tuple[float, float]] = {}  # adapter -> (tokens/s, updated at)
+        self.window_tokens: dict[str, int] = defaultdict(int)
+        self.done: list[Req] = []
+        self.replica_seconds = 0.0
+        self.series: dict[str, list] = defaultdict(list)
+        self._window_ttft: list[float] = []
+        self._metric_samples: deque = deque()  # (t, mean queue depth, mean tokens in flight)
+        self.hpa = None
+        if cfg.autoscale is not None:
+            from loadtests.autoscale import Hpa
+
+            a = cfg.autoscale
+            self.hpa = Hpa(min_replicas=a.min_replicas, max_replicas=a.max_replicas, tolerance=a.tolerance,
+                           scale_down_window_s=a.scale_down_window_s)
+        self.desired = cfg.replicas
+        self.pending_starts = 0
+
+    # -- fleet membership (registry table -> the router's view) ------------------------------
+
+    def _table(self) -> dict:
+        reps = [{"replica_id": rid, "url": f"http://{rid}.sim:8200", "base_model_hash": BASE_HASH,
+                 "models": [BASE_NAME], "capacity_weight": 1.0, "status": "up"} for rid in self.replicas]
+        return {"version": len(self.replicas), "replicas": reps, "base_models": {BASE_NAME: BASE_HASH}}
+
+    def _owned(self, ids: list[str]) -> dict[str, list[str]]:
+        """replica id -> the adapters it owns among `ids` (the registry's placement), in id order."""
+        weights = {r: 1.0 for r in ids}
+        out: dict[str, list[str]] = {r: [] for r in ids}
+        for a in self.adapter_ids:
+            for r in placement.owners_for(a, self.owners_k.get(a, self.cfg.owners_k), weights):
+                out[r].append(a)
+        return out
+
+    def _new_id(self) -> str:
+        rid = f"replica-{self.next_ordinal}"  # a StatefulSet's next ordinal
+        self.next_ordinal += 1
+        return rid
+
+    def add_replica(self, rid: str, owned: list[str]) -> SimReplica:
+        rep = SimReplica(self, rid)
+        rep.warm(owned)
+        self.replicas[rid] = rep
+        self.all_replicas.append(rep)
+        self.view.apply_table(self._table())
+        self._snaps.clear()
+        self._poll_one(rep)
+        return rep
+
+    def remove_replica(self) -> None:
+        """Scale down: the highest ordinal leaves (a StatefulSet); its running requests finish."""
+        rid = max(self.replicas, key=lambda r: int(r.rsplit("-", 1)[1]))
+        self.replicas.pop(rid).accepting = False
+        self._snaps.clear()
+        if not self.pending_starts:
+            self.next_ordinal = int(rid.rsplit("-", 1)[1])  # the ordinal is reused by the next scale-up
+        self.view.apply_table(self._table())
+
+    def _poll_one(self, rep: SimReplica) -> None:
+        e = self.view.replicas.get(rep.rid)
+        if e is not None:  # what ReplicaView._poll_one does with a good answer
+            e.state = rep.state()  # (the router validates the JSON; here it is built directly)
+            e.derive()
+            e.state_ok = True
+            e.state_at = self.env.now
+            self._snaps.pop(rep.rid, None)
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _poller(self):
+        while True:
+            yield self.env.timeout(self.cfg.poll_s)
+            for rep in self.replicas.values():
+                self._poll_one(rep)
+
+    def _stats(self):
+        """Every stats window: the router's per-adapter tokens -> the registry's rule
+        (`placement.add_window`, `placement.owner_count` with the registry's default settings)."""
+        s, w = self.reg, self.cfg.stats_window_s
+        while True:
+            yield self.env.timeout(w)
+            now = SIM_EPOCH + timedelta(seconds=self.env.now)
+            for aid in set(self.window_tokens) | set(self.owners_k):
+                rate, at = self.rate_est.get(aid, (0.0, None))
+                rate = placement.add_window(rate, at, now, self.window_tokens.get(aid, 0), s.stats_tau_s)
+                k = placement.owner_count(rate, self.owners_k.get(aid, s.owners_k), k_min=s.owners_k,
+                                          capacity=s.replica_capacity_tokens_per_s, cooldown_ratio=s.cooldown_ratio)
+                self.rate_est[aid] = (rate, now)
+                if k == s.owners_k:
+                    self.owners_k.pop(aid, None)
+                else:
+                    self.owners_k[aid] = k
+            self.window_tokens.clear()
+
+    def _arrivals(self, hot: bool):
+        c, rng = self.cfg, self.rng if not hot else random.Random(c.seed + 7)
+        p_med = max(1, round(c.prompt_tokens * math.exp(-PROMPT_SIGMA**2 / 2)))
+        o_med = max(1, round(c.output_tokens * math.exp(-OUTPUT_SIGMA**2 / 2)))
+        peak = c.hot_tokens_per_s / c.output_tokens if hot else c.rate
+        if peak <= 0:
+            return
+        curve = None if hot else c.rate_curve
+        t = 0.0
+        while True:
+            t += rng.expovariate(peak)
+            if t >= c.duration:
+                return
+            if curve is not None and rng.random() > curve(t):
+                continue  # thinning: a non-homogeneous Poisson process
+            if t > self.env.now:
+                yield self.env.timeout(t - self.env.now)
+            prompt = _lognormal_int(rng, p_med, PROMPT_SIGMA, 1, c.max_request_tokens - 1)
+            output = _lognormal_int(rng, o_med, OUTPUT_SIGMA, 1, c.max_request_tokens - prompt)
+            aid = HOT_ADAPTER if hot else self.adapter_ids[min(bisect.bisect(self.cum, rng.random()), c.adapters - 1)]
+            self.route(Req(self.env.now, aid, prompt, output, hot))
+
+    def route(self, req: Req) -> None:
+        k = self.owners_k.get(req.adapter, self.cfg.owners_k)
+        rr = RouteRequest(adapter_id=req.adapter, base_model_hash=BASE_HASH, owners_k=k, tokens=req.est)
+        random_routing = self.cfg.routing == "random"
+        ranked = choose(rr, self._view_snapshot(), "random" if random_routing else self.cfg.strategy,
+                        affinity=not random_routing, rng=self.route_rng if random_routing else None)
+        rep = self.replicas[ranked[0].replica_id]
+        self.view.acquire(rep.rid, req.est)
+        self._snaps.pop(rep.rid, None)
+        rep.arrive(req)
+
+    def _view_snapshot(self) -> ViewSnapshot:
+        """`ReplicaView.snapshot()`, with each replica's `ReplicaEntry.snapshot` reused until that
+        entry changes (a poll, or the router's acquire/release of a request to it)."""
+        v, snaps = self.view, self._snaps
+        for rid, e in v.replicas.items():
+            if rid not in snaps:
+                snaps[rid] = e.snapshot(v.health_failures)
+        return ViewSnapshot(replicas=tuple(snaps[rid] for rid in v.replicas),
+                            load_threshold_tokens=v.load_threshold_tokens, load_threshold_queue=v.load_threshold_queue)
+
+    def finished(self, req: Req) -> None:
+        self.view.release(req.replica, req.est)
+        self._snaps.pop(req.replica, None)
+        self.window_tokens[req.adapter] += req.prompt + req.output  # what the router reports (total)
+        if req.arrival >= self.cfg.warmup_s:
+            self.done.append(req)
+            self._window_ttft.append(req.ttft)
+
+    def _sampler(self):
+        c = self.cfg
+        last = 0.0
+        while True:
+            yield self.env.timeout(c.sample_s)
+            now = self.env.now
+            self.replica_seconds += len(self.replicas) * (now - last)
+            last = now
+            share = c.rate_curve(now) if c.rate_curve else 1.0
+            self.series["t"].append(now)
+            self.series["replicas"].append(len(self.replicas))
+            self.series["rate"].append(c.rate * share)
+            w = self._window_ttft
+            self.series["p95_ttft_s"].append(float(np.percentile(w, 95)) if w else math.nan)
+            self._window_ttft = []
+            self.series["hot_owners"].append(self.owners_k.get(HOT_ADAPTER, c.owners_k))
+            self.series["evictions"].append(sum(r.policy.counters.evictions for r in self.all_replicas))
+
+    def _autoscaler(self):
+        a = self.cfg.autoscale
+        ticks, per_sync = 0, max(1, round(a.sync_s / self.cfg.poll_s))
+        while True:
+            yield self.env.timeout(self.cfg.poll_s)
+            ticks += 1
+            reps = list(self.replicas.values())
+            if reps:
+                n = len(reps)
+                self._metric_samples.append((self.env.now, sum(r.queued for r in reps) / n,
+                                             sum(r.tokens_in_flight() for r in reps) / n))
+            while self._metric_samples and self._metric_samples[0][0] < self.env.now - a.metric_window_s:
+                self._metric_samples.popleft()
+            if ticks % per_sync or not self._metric_samples:
+                continue
+            qd = sum(s[1] for s in self._metric_samples) / len(self._metric_samples)
+            tif = sum(s[2] for s in self._metric_samples) / len(self._metric_samples)
+            current = len(self.replicas) + self.pending_starts
+            want = self.hpa.desired(self.env.now, current, {"queue_depth": (qd, a.target_queue_depth),
+                                                            "tokens_in_flight": (tif, a.target_tokens_in_flight)})
+            while current < want:
+                self.pending_starts += 1
+                current += 1
+                self.env.process(self._start_replica())
+            while current > want and len(self.replicas) > a.min_replicas:
+                self.remove_replica()
+                current -= 1
+
+    def _start_replica(self):
+        """A new pod: start-up, base load, then it pulls its owned adapters (remote -> disk -> RAM,
+        `load_concurrency` at a time; the first `slots` mounted) and only then reports ready."""
+        a, c = self.cfg.autoscale, self.cfg
+        rid = self._new_id()
+        yield self.env.timeout(a.startup_s + a.base_load_s)
+        owned = self._owned([*self.replicas, rid])[rid]
+        yield self.env.timeout(len(owned) * c.load_s["remote"] / c.load_concurrency)
+        self.pending_starts -= 1
+        self.add_replica(rid, owned)
+
+    # -- run ---------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        c = self.cfg
+        t0 = time.perf_counter()
+        ids = [self._new_id() for _ in range(c.replicas)]
+        owned = self._owned(ids)
+        for rid in ids:
+            self.add_replica(rid, owned[rid])
+        env = self.env
+        env.process(self._poller())
+        env.process(self._stats())
+        env.process(self._sampler())
+        env.process(self._arrivals(False))
+        if c.hot_tokens_per_s > 0:
+            env.process(self._arrivals(True))
+        if self.hpa is not None:
+            env.process(self._autoscaler())
+        base_ev = {}
+        bar = None
+        if c.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=int(c.duration), unit="sim-s", desc="simulate", leave=False)
+        t = 0.0
+        while t < c.duration:
+            t = min(c.duration, t + 10.0)
+            if not base_ev and t > c.warmup_s:
+                base_ev = {id(r): r.policy.counters.evictions for r in self.all_replicas}
+            env.run(until=t)
+            if bar is not None:
+                bar.update(int(t) - bar.n)
+        # let the requests in flight finish (no new arrivals) so late ones are counted
+        env.run(until=c.duration + 120.0)
+        if bar is not None:
+            bar.close()
+        return self._result(base_ev, time.perf_counter() - t0)
+
+    def _result(self, base_ev: dict, wall: float) -> SimResult:
+        c = self.cfg
+        done = [r for r in self.done if r.arrival < c.duration]
+        ttft = np.array([r.ttft for r in done]) if done else np.array([math.nan])
+        by_tier = {}
+        share = {}
+        for tier in TIERS:
+            x = np.array([r.ttft for r in done if r.tier == tier])
+            share[tier] = len(x) / max(1, len(done))
+            if len(x):
+                by_tier[tier] = {"n": int(len(x)), "p50_s": float(np.percentile(x, 50)),
+                                 "p95_s": float(np.percentile(x, 95))}
+        minutes = (c.duration - c.warmup_s) / 60
+        evictions = sum(r.policy.counters.evictions - base_ev.get(id(r), 0) for r in self.all_replicas)
+        per_rep = defaultdict(int)
+        for r in done:
+            per_rep[r.replica] += 1
+        measured_s = c.duration - c.warmup_s
+        out_tokens = sum(r.output for r in done)
+        all_tokens = sum(r.output + r.prompt for r in done)
+        mean_reps = self.replica_seconds / max(1e-9, self.series["t"][-1]) if self.series["t"] else c.replicas
+        cost_per_h = mean_reps * c.gpu_price_per_h
+        hours = measured_s / 3600
+        hot = None
+        if c.hot_tokens_per_s > 0:
+            hx = np.array([r.ttft for r in done if r.hot])
+            hot = {"tokens_per_s": c.hot_tokens_per_s, "requests": int(len(hx)),
+                   "p95_ttft_s": float(np.percentile(hx, 95)) if len(hx) else math.nan,
+                   "max_owners": max(self.series["hot_owners"]) if self.series["hot_owners"] else c.owners_k,
+                   "replicas_used": len({r.replica for r in done if r.hot})}
+        return SimResult(
+            config={k: v for k, v in asdict(c).items() if k != "rate_curve"},
+            requests=len(done),
+            p50_ttft_s=float(np.percentile(ttft, 50)),
+            p95_ttft_s=float(np.percentile(ttft, 95)),
+            p99_ttft_s=float(np.percentile(ttft, 99)),
+            ttft_by_tier=by_tier,
+            tier_share=share,
+            device_hit_rate=share["gpu"],
+            ram_hit_rate=share["ram"],
+            evictions_per_min=evictions / minutes,
+            evictions_in_use=sum(r.policy.counters.evictions_in_use for r in self.all_replicas),
+            slot_waits=sum(r.policy.counters.slot_waits for r in self.all_replicas),
+            replicas=len(self.replicas),
+            mean_replicas=mean_reps,
+            replica_requests=dict(sorted(per_rep.items())),
+            replica_busy={r.rid: r.busy_time / (c.duration + 120.0) for r in self.all_replicas},
+            output_tokens_per_s=out_tokens / measured_s,
+            cost_per_h=cost_per_h,
+            cost_per_m_tokens=cost_per_h * hours / (all_tokens / 1e6) if all_tokens else math.inf,
+            cost_per_m_output_tokens=cost_per_h * hours / (out_tokens / 1e6) if out_tokens else math.inf,
+            hot=hot,
+            series=dict(self.series),
+            wall_s=wall,
+        )
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    return Simulation(cfg).run()
+
+
+def diurnal(period_s: float, low: float = 0.25) -> Callable[[float], float]:
+    """A day compressed into `period_s`: share of the peak rate, from `low` at t=0 to 1 at mid-period."""
+    return lambda t: low + (1 - low) * 0.5 * (1 - math.cos(2 * math.pi * t / period_s))
+
+
+def seed_config(**kw) -> SimConfig:
+    """The seed's fleet (26 replicas, 5,000 adapters, 40 req/s) with sizes from lorafarm.capacity."""
+    r = cap.compute()
+    base = dict(replicas=r.replicas, adapters=5000, rate=40.0, slots=r.slot_cache_adapters,
+                ram_adapters=r.adapters_per_replica, adapter_bytes=r.adapter_bytes)
+    base.update(kw)
+    return SimConfig(**base)
