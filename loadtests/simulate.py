@@ -407,7 +407,8 @@ class Simulation:
             self.window_tokens.clear()
 
     def _arrivals(self, hot: bool):
-        c, rng = self.cfg, self.rng if not hot else random.Random(c.seed + 7)
+        c = self.cfg
+        rng = random.Random(c.seed + 7) if hot else self.rng
         p_med = max(1, round(c.prompt_tokens * math.exp(-PROMPT_SIGMA**2 / 2)))
         o_med = max(1, round(c.output_tokens * math.exp(-OUTPUT_SIGMA**2 / 2)))
         peak = c.hot_tokens_per_s / c.output_tokens if hot else c.rate

@@ -1,0 +1,84 @@
+"""The fleet simulator: its CLI contract, and behaviours that follow from the real routing and
+slot-policy code it runs (small fleets, seconds each)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtests.autoscale import Hpa
+from loadtests.simulate import HOT_ADAPTER, AutoscaleConfig, SimConfig, diurnal, simulate
+from lorafarm.cli import main
+
+SMALL = dict(replicas=4, adapters=400, rate=6.0, duration=150.0, warmup_s=30.0, slots=20, ram_adapters=60)
+
+
+def test_cli_json_contract(capsys):
+    assert main(["simulate", "--replicas", "2", "--adapters", "100", "--rate", "3", "--duration", "60",
+                 "--slots", "10", "--routing", "random", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("p95_ttft_s", "p50_ttft_s", "device_hit_rate", "evictions_per_min", "replicas"):
+        assert key in last
+    assert last["replicas"] == 2 and last["requests"] > 50
+    assert 0 <= last["device_hit_rate"] <= 1 and last["p50_ttft_s"] <= last["p95_ttft_s"]
+
+
+def test_cli_bad_input_exit_2(capsys):
+    assert main(["simulate", "--replicas", "0", "--json"]) == 2
+
+
+def test_affinity_beats_random_and_never_evicts_in_use():
+    """Fewer slots than adapters: affinity (warm first, rendezvous owners) keeps each adapter on few
+    replicas, random routing spreads it over all of them and thrashes."""
+    aff = simulate(SimConfig(**SMALL, routing="affinity"))
+    rnd = simulate(SimConfig(**SMALL, routing="random"))
+    assert aff.device_hit_rate > rnd.device_hit_rate + 0.1
+    assert aff.evictions_per_min < rnd.evictions_per_min
+    assert aff.evictions_in_use == 0 and rnd.evictions_in_use == 0
+    assert aff.requests == rnd.requests  # the same seeded arrivals
+
+
+def test_same_seed_same_answer_and_more_slots_more_hits():
+    a = simulate(SimConfig(**SMALL))
+    b = simulate(SimConfig(**SMALL))
+    assert a.p95_ttft_s == b.p95_ttft_s and a.device_hit_rate == b.device_hit_rate
+    more = simulate(SimConfig(**{**SMALL, "slots": 80}))
+    assert more.device_hit_rate > a.device_hit_rate
+
+
+def test_overload_raises_ttft():
+    """Past the fleet's decode capacity (32 rows / 50 ms = 640 tok/s per replica) queues build up."""
+    ok = simulate(SimConfig(**{**SMALL, "rate": 4.0}))
+    over = simulate(SimConfig(**{**SMALL, "rate": 14.0}))  # 14 x 250 = 3,500 tok/s > 4 x 640
+    assert over.p95_ttft_s > 3 * ok.p95_ttft_s
+
+
+def test_hot_tenant_gets_more_owners():
+    """The registry's rule raises the hot adapter's owner count from its traffic; routing then spreads it."""
+    r = simulate(SimConfig(**{**SMALL, "replicas": 8, "hot_tokens_per_s": 1500.0}))
+    assert r.hot is not None and r.hot["max_owners"] >= 4
+    assert r.hot["replicas_used"] >= 4
+    assert HOT_ADAPTER not in r.replica_requests  # (keys are replica ids)
+
+
+def test_hpa_formula_tolerance_and_stabilisation():
+    h = Hpa(min_replicas=1, max_replicas=50, scale_down_window_s=300)
+    assert h.recommend(10, {"q": (4.0, 2.0)}) == 20  # ceil(10 x 4 / 2)
+    assert h.recommend(10, {"q": (2.1, 2.0)}) == 10  # within the 10% tolerance
+    assert h.recommend(10, {"q": (1.0, 2.0), "t": (3000, 1000)}) == 30  # max over metrics
+    assert h.desired(0, 10, {"q": (8.0, 2.0)}) == 20  # 40 wanted; at most +max(4 pods, 100%) per period
+    assert h.desired(15, 2, {"q": (8.0, 2.0)}) == 6  # from 2: +4 pods
+    h2 = Hpa(min_replicas=1, max_replicas=50, scale_down_window_s=300)
+    assert h2.desired(0, 10, {"q": (2.0, 2.0)}) == 10
+    assert h2.desired(100, 10, {"q": (0.5, 2.0)}) == 10  # the window still holds 10
+    assert h2.desired(401, 10, {"q": (0.5, 2.0)}) == 3  # 300 s later: ceil(10 x 0.25)
+
+
+def test_autoscaler_follows_a_diurnal_curve():
+    r = simulate(SimConfig(replicas=2, adapters=200, rate=12.0, duration=900.0, warmup_s=30.0, slots=40,
+                           ram_adapters=100, rate_curve=diurnal(900.0, low=0.1),
+                           autoscale=AutoscaleConfig(min_replicas=2, max_replicas=12, startup_s=5.0)))
+    reps = r.series["replicas"]
+    assert max(reps) > 2  # scaled up for the peak in the middle
+    assert reps[-1] < max(reps)  # and back down after it
