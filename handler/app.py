@@ -36,7 +36,7 @@ from lorafarm.openapi import openapi_config
 
 log = logging.getLogger("lorafarm.replica")
 
-PUBLIC_PATHS = ("/health", "/metrics", "/schema/openapi.json")
+PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema/openapi.json")
 
 
 @dataclass
@@ -69,6 +69,7 @@ class ReplicaConfig:
     placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
     prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
     pull_owned: bool = True
+    shutdown_grace_s: float = 10.0  # SIGTERM: streams in flight get this long to finish
 
     def resolved_model_name(self) -> str:
         return self.model_name or Path(self.base_dir).resolve().name
@@ -154,6 +155,7 @@ class ReplicaService:
         self.registry = None
         self.store = None
         self.ready = False
+        self.draining = False
         self.joined = False
         self.tasks: list[asyncio.Task] = []
         self.pull_done = asyncio.Event()
@@ -503,6 +505,28 @@ async def health(request: Request) -> Response:
                                 "registry": svc.config.registry_url, "joined": svc.joined})
 
 
+@get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness (Kubernetes): 200 once the base is loaded and the first pull of owned adapters (to disk
+    and RAM, the first ones mounted) is done; 503 while starting or draining."""
+    svc: ReplicaService = request.app.state.replica
+    if not svc.ready or not svc.pull_done.is_set():
+        status = "draining" if svc.draining else "starting" if not svc.ready else "warming"
+        return _json_response(503, {"status": status, "replica_id": svc.config.replica_id})
+    return _json_response(200, {"status": "ready", "replica_id": svc.config.replica_id, "joined": svc.joined})
+
+
+@post("/internal/drain", status_code=200)
+async def drain(request: Request) -> Response:
+    """preStop: stop taking requests (503 not_ready, so the router fails over and its health checks
+    take this replica out); requests in flight finish. SIGTERM follows."""
+    svc: ReplicaService = request.app.state.replica
+    svc.ready = False
+    svc.draining = True
+    return _json_response(200, {"status": "draining", "replica_id": svc.config.replica_id,
+                                "waiting": svc.handler.waiting() if svc.handler.initialized else 0})
+
+
 @get("/metrics")
 async def metrics(request: Request) -> Response:
     svc: ReplicaService = request.app.state.replica
@@ -532,7 +556,7 @@ def create_app(config: ReplicaConfig) -> Litestar:
         middleware.append(lambda app: AdminAuthMiddleware(app, token))
     app = Litestar(
         route_handlers=[chat_completions, completions, list_models, load_adapter, unload_adapter, replica_state,
-                        cache_stats, health, metrics],
+                        cache_stats, health, ready, drain, metrics],
         lifespan=[lifespan],
         middleware=middleware,
         exception_handlers={oai.OpenAIError: _openai_error_handler, HTTPException: _http_error_handler,
@@ -555,4 +579,4 @@ def run(config: ReplicaConfig, log_level: str = "info") -> None:
     logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=config.shutdown_grace_s)

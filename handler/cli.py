@@ -116,6 +116,9 @@ def register(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; 429 above (default 256)")
     p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
     p.add_argument("--prewarm", type=int, default=None, help="owned adapters pre-warmed into slots (default --slots)")
+    p.add_argument("--shutdown-grace-s", type=float, default=10.0,
+                   help="on SIGTERM, seconds streams in flight get to finish (default 10; deploy/ sets it "
+                        "above the longest stream)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_replica)
 
@@ -169,6 +172,7 @@ def build_config(args: argparse.Namespace):
         rank_pools=rank_pools, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
         disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=args.kv_cache_bytes,
         device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
+        shutdown_grace_s=args.shutdown_grace_s,
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 

@@ -495,6 +495,7 @@ class LoraHandler:
         st = self.engine.stats()
         self.metrics.num_requests_running.set(st.running)
         self.metrics.num_requests_waiting.set(self.waiting())
+        self.metrics.tokens_in_flight.set(st.tokens_in_flight)
         self.metrics.kv_cache_usage_perc.set(st.kv_cache_usage)
 
 

@@ -96,6 +96,10 @@ class ReplicaMetrics:
         self.num_requests_waiting = Gauge(
             "lorafarm_num_requests_waiting",
             "Requests waiting: for their adapter to load or for room in the batch.", registry=r)
+        self.tokens_in_flight = Gauge(
+            "lorafarm_tokens_in_flight",
+            "Work in flight: unprefilled prompt tokens + tokens still to generate (autoscaling metric).",
+            registry=r)
         self.kv_cache_usage_perc = Gauge(
             "lorafarm_kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).", registry=r)
         self.adapter_slot_hits = Counter(
