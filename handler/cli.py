@@ -77,6 +77,9 @@ def register(sub) -> None:
                                    "internal load/unload/state API.")
     p.add_argument("--id", dest="replica_id", default=_env("LORAFARM_REPLICA_ID", "r0"), help="replica id (default r0)")
     p.add_argument("--base", required=True, help="base model folder (Hugging Face layout)")
+    p.add_argument("--task", default="generate", choices=["generate", "embed"],
+                   help="generate: chat/completions with LoRA adapters (default); embed: an embedding worker "
+                        "for an encoder folder (sentence-transformers layout: pooling/normalisation read from it)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8200, help="listen port (default 8200)")
     p.add_argument("--model-name", default=None, help="name clients use for the base model (default: base dir name)")
@@ -176,7 +179,28 @@ def build_config(args: argparse.Namespace):
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 
+def build_embed_config(args: argparse.Namespace):
+    from pathlib import Path
+
+    from handler.embed_app import EmbedConfig
+
+    base = Path(args.base)
+    if not (base / "config.json").is_file():
+        raise CliError(f"--base {base}: no config.json (a Hugging Face encoder folder is expected)")
+    if args.max_batch < 1:
+        raise CliError("--max-batch must be >= 1")
+    return EmbedConfig(base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host,
+                       port=args.port, advertise_url=args.advertise_url, registry_url=args.registry,
+                       admin_token=args.admin_token, device=args.device, max_batch=args.max_batch,
+                       max_body_bytes=max(args.max_body_bytes, 8 * 1024 * 1024))
+
+
 def _replica(args: argparse.Namespace) -> int:
+    if args.task == "embed":
+        from handler.embed_app import run as run_embed
+
+        run_embed(build_embed_config(args), log_level=args.log_level)
+        return 0
     from handler.app import run
 
     config = build_config(args)

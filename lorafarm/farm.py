@@ -25,6 +25,7 @@ import httpx
 from lorafarm.errors import CliError
 
 BASE_MODEL_NAME = "lorafarm-dev-tiny"
+EMBEDDING_MODEL_NAME = "lorafarm-dev-embed"
 DEMO_TENANT = "demo"
 DEMO_ADAPTERS = 4
 
@@ -84,6 +85,8 @@ class Farm:
     # (default: every replica serves the dev model, whose demo adapters are seeded).
     extra_bases: dict[str, Path] = field(default_factory=dict)
     replica_bases: list[str] = field(default_factory=list)
+    # `lorafarm up --embeddings`: one embedding worker (replica e0, port replica_base + replicas)
+    embeddings: bool = False
 
     # -- files ------------------------------------------------------------------------------
     @property
@@ -93,6 +96,18 @@ class Farm:
     @property
     def base_models(self) -> dict[str, Path]:
         return {BASE_MODEL_NAME: self.model_dir.resolve(), **{n: Path(d).resolve() for n, d in self.extra_bases.items()}}
+
+    @property
+    def embedding_dir(self) -> Path:
+        return self.state_dir / "models" / EMBEDDING_MODEL_NAME
+
+    @property
+    def embedding_models(self) -> dict[str, Path]:
+        return {EMBEDDING_MODEL_NAME: self.embedding_dir.resolve()} if self.embeddings else {}
+
+    @property
+    def embedding_url(self) -> str:
+        return self.url(self.ports.replica_base + self.replicas)
 
     def replica_base(self, i: int) -> str:
         return self.replica_bases[i] if i < len(self.replica_bases) else BASE_MODEL_NAME
@@ -140,6 +155,11 @@ class Farm:
         if not (self.model_dir / "model.safetensors").exists():
             self._say(f"generating the dev model in {self.model_dir}")
             write_dev_model(self.model_dir, size="tiny", seed=0, force=True)
+        if self.embeddings and not (self.embedding_dir / "modules.json").exists():
+            from lorafarm.dev.embedding import write_dev_embedding_model
+
+            self._say(f"generating the dev embedding model in {self.embedding_dir}")
+            write_dev_embedding_model(self.embedding_dir, force=True)
         self._say("preparing demo adapters (trained once with PEFT, then cached)")
         write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
         if not (self.keys_dir / "private.pem").exists():
@@ -168,9 +188,13 @@ class Farm:
         self.start_registry()
         for i in range(self.replicas):
             self.start_replica(i, wait=False)
+        if self.embeddings:
+            self.start_embedding(wait=False)
         self.start_router()
         for i in range(self.replicas):
             self.wait_healthy(f"replica-r{i}", self.replica_url(i))
+        if self.embeddings:
+            self.wait_healthy("replica-e0", self.embedding_url)
         self.wait_healthy("router", self.router_url)
 
     def start_registry(self) -> None:
@@ -213,6 +237,23 @@ class Farm:
         )  # fmt: skip
         if wait:
             self.wait_healthy(f"replica-{rid}", self.replica_url(i))
+
+    def start_embedding(self, *, wait: bool = True) -> None:
+        """The embedding worker e0 (`lorafarm up --embeddings`)."""
+        self._spawn(
+            "replica-e0",
+            [
+                "replica", "--task", "embed",
+                "--id", "e0",
+                "--host", self.host,
+                "--port", str(self.ports.replica_base + self.replicas),
+                "--base", str(self.embedding_dir.resolve()),
+                "--model-name", EMBEDDING_MODEL_NAME,
+                "--registry", self.registry_url,
+            ],
+        )  # fmt: skip
+        if wait:
+            self.wait_healthy("replica-e0", self.embedding_url)
 
     def start_router(self) -> None:
         args = ["router", "--host", self.host, "--port", str(self.ports.router), "--registry", self.registry_url]
@@ -304,8 +345,11 @@ class Farm:
             "replicas": [
                 {"replica_id": f"r{i}", "url": self.replica_url(i), "pid": self.procs[f"replica-r{i}"].pid}
                 for i in range(self.replicas)
-            ],
+            ]
+            + ([{"replica_id": "e0", "url": self.embedding_url, "pid": self.procs["replica-e0"].pid, "task": "embed"}]
+               if self.embeddings else []),
             "base_models": {name: str(d) for name, d in self.base_models.items()},
+            "embedding_models": {name: str(d) for name, d in self.embedding_models.items()},
             "markers": {f"{DEMO_TENANT}/{n}:prod": m["marker"] for n, m in markers.items()},
         }
         tmp = self.farm_json.with_suffix(".json.tmp")
@@ -322,7 +366,7 @@ class Farm:
 def wait_router_ready(farm: dict, timeout: float = 60.0) -> None:
     """Until the router's catalog lists the demo aliases (its first registry poll has landed)."""
     tenant = farm["tenants"][0]
-    want = set(tenant["aliases"])
+    want = set(tenant["aliases"]) | set(farm.get("embedding_models") or {})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -361,5 +405,16 @@ python (openai client):
   r = client.chat.completions.create(model="{alias}", messages=[{{"role": "user", "content": "hello"}}], max_tokens=16)
   print(r.choices[0].message.content)
 
-Ctrl-C stops the farm.
+{_embedding_example(farm, base, tenant['api_key'])}Ctrl-C stops the farm.
+"""
+
+
+def _embedding_example(farm: dict, base: str, api_key: str) -> str:
+    models = sorted(farm.get("embedding_models") or {})
+    if not models:
+        return ""
+    return f"""embeddings (same router, same key):
+  r = client.embeddings.create(model="{models[0]}", input=["hello", "world"])
+  print(len(r.data[0].embedding))
+
 """

@@ -13,7 +13,7 @@ def _up(args: argparse.Namespace) -> int:
     from lorafarm.farm import Farm, FarmPorts, examples
 
     ports = FarmPorts(router=args.port, registry=args.registry_port, replica_base=args.replica_port)
-    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports)
+    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, embeddings=args.embeddings)
     stopping = False
 
     def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C
@@ -73,6 +73,8 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--registry-port", type=int, default=8100, help="registry port (default 8100)")
     p.add_argument("--replica-port", type=int, default=8200, help="first replica port (default 8200)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="add an embedding worker (the dev encoder, port --replica-port + --replicas)")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("demo", help="start a farm, send one streamed chat through the router, stop")

@@ -11,6 +11,7 @@ class ReplicaState(BaseModel):
     replica_id: str
     base_model_hash: str
     models: list[str] = Field(description="base (and embedding) model names this replica serves")
+    task: str = Field(default="generate", description="generate (chat/completions) | embed (embeddings)")
     gpu_adapters: list[str] = Field(default_factory=list, description="adapter ids mounted in device slots")
     ram_adapters: list[str] = Field(default_factory=list, description="adapter ids held in host RAM")
     queue_depth: int = 0

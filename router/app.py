@@ -32,7 +32,7 @@ from router.auth import AuthCache, AuthUnavailable, InvalidApiKey, Tenant
 from router.catalog import Catalog, ModelNotFound, Resolved
 from router.config import RouterSettings
 from router.metrics import RouterMetrics
-from router.openai_api import CHAT, COMPLETIONS, UPSTREAM_PATH, ApiError, ParsedRequest, parse_request
+from router.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, UPSTREAM_PATH, ApiError, ParsedRequest, parse_request
 from router.proxy import Failed, Opened, Proxy, UsageScanner
 from router.ratelimit import RateLimiter
 from router.routing import RankedReplica, RouteRequest, choose
@@ -227,6 +227,14 @@ class RouterCore:
             rng=self.rng if self.settings.strategy == "random" else None,
         )
 
+    def _task_ok(self, replica_id: str, endpoint: str) -> bool:
+        """Embedding workers take only /v1/embeddings, generating replicas everything else; a worker
+        whose task is unknown (no state yet, foreign) may take either."""
+        e = self.view.replicas.get(replica_id)
+        if e is None or e.state is None:
+            return True
+        return (e.state.task == "embed") == (endpoint == EMBEDDINGS)
+
     async def completion(self, request: Request, endpoint: str) -> Response:
         request_id = request.headers.get("x-request-id", "")
         if not _REQUEST_ID.fullmatch(request_id):  # the client's id only when it is a plain token
@@ -274,7 +282,7 @@ class RouterCore:
             access_log.info("request_id=%s tenant=%s model=%s status=404 model_not_found",
                             request_id, tenant.tenant_id, _printable(parsed.model))  # fmt: skip
             raise ApiError(404, str(e), code="model_not_found", param="model", headers=limit.headers) from None
-        ranked = self.route(resolved, parsed.cost)
+        ranked = [r for r in self.route(resolved, parsed.cost) if self._task_ok(r.replica_id, endpoint)]
         body = dict(parsed.body)
         body["model"] = resolved.upstream_model
         payload = json.dumps(body, separators=(",", ":")).encode()
@@ -502,6 +510,11 @@ async def completions(request: Request) -> Response:
     return await _core(request).completion(request, COMPLETIONS)
 
 
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request) -> Response:
+    return await _core(request).completion(request, EMBEDDINGS)
+
+
 @get("/v1/models")
 async def list_models(request: Request) -> Response:
     core = _core(request)
@@ -572,7 +585,7 @@ def create_app(
             await core.stop()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, list_models, health, metrics],
+        route_handlers=[chat_completions, completions, embeddings, list_models, health, metrics],
         lifespan=[lifespan],
         exception_handlers={
             ApiError: _api_error_handler,

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 CHAT = "chat"
 COMPLETIONS = "completions"
-UPSTREAM_PATH = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+EMBEDDINGS = "embeddings"
+UPSTREAM_PATH = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", EMBEDDINGS: "/v1/embeddings"}
 # what a torch.Generator accepts as a seed (the replica refuses the rest the same way)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -95,6 +96,8 @@ def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
 
 
 def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedRequest:
+    if endpoint == EMBEDDINGS:
+        return parse_embeddings_request(raw)
     try:
         body = json.loads(raw) if raw else None
     except ValueError:  # also invalid UTF-8 (UnicodeDecodeError)
@@ -145,3 +148,22 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
         max_tokens=max_tokens,
         n=n,
     )
+
+
+def parse_embeddings_request(raw: bytes) -> ParsedRequest:
+    """`POST /v1/embeddings`, checked by `lorafarm.embeddings` (the worker checks the same way, plus
+    the model's context); the cost charged up front is the estimated input tokens."""
+    from lorafarm.embeddings import EmbeddingsRequestError, parse_embeddings
+
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        raise ApiError(400, "The request body is not valid JSON.") from None
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply.") from None
+    try:
+        req = parse_embeddings(body)
+    except EmbeddingsRequestError as e:
+        raise ApiError(400, e.message, param=e.param, code=e.code) from None
+    return ParsedRequest(endpoint=EMBEDDINGS, body=body, model=req.model, stream=False,
+                         prompt_tokens=req.estimated_tokens(), max_tokens=0, n=1)

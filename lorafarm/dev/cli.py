@@ -6,9 +6,14 @@ import argparse
 
 
 def _devmodel(args: argparse.Namespace) -> int:
-    from lorafarm.dev.model import write_dev_model
+    if args.kind == "embedding":
+        from lorafarm.dev.embedding import write_dev_embedding_model
 
-    out = write_dev_model(args.out, size=args.size, seed=args.seed, force=args.force)
+        out = write_dev_embedding_model(args.out, size=args.size, seed=args.seed, force=args.force)
+    else:
+        from lorafarm.dev.model import write_dev_model
+
+        out = write_dev_model(args.out, size=args.size, seed=args.seed, force=args.force)
     print(out)
     return 0
 
@@ -24,8 +29,11 @@ def _devadapters(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     from lorafarm.dev.model import SIZES
 
-    p = sub.add_parser("devmodel", help="write a small random Llama checkpoint (Hugging Face layout)")
+    p = sub.add_parser("devmodel", help="write a small random Llama checkpoint (Hugging Face layout) "
+                                          "or, with --kind embedding, a sentence-transformers encoder")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--kind", default="chat", choices=["chat", "embedding"],
+                   help="chat: a Llama decoder; embedding: a BERT encoder in the sentence-transformers layout")
     p.add_argument("--size", default="tiny", help=f"one of {', '.join(SIZES)} (default tiny)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same bytes (default 0)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
