@@ -16,20 +16,26 @@ never once per request.
 
 Kernels (pure torch, shared by every layer, metadata built once per step by `ModelLoRA.prepare`):
   * SGMV (segmented gather matrix-vector): rows are grouped by slot into segments (a prefill chunk
-    is one long segment); segments are padded to a common length L and run as one `torch.bmm` over
-    [segments, L, k] against the gathered A[seg_slots], then B[seg_slots].
-  * BGMV (batched gather matrix-vector): the L = 1 case, one segment per row, used for decode
-    batches of many distinct adapters: A and B are gathered per row and multiplied with one bmm.
-  * Dense: for a decode-sized step that uses most of a pool, one matmul against all of the pool's
-    slots (x @ A_all.T), a per-token slot mask, one matmul against all B: no gathered copies, which
-    is cheaper than gathering when the pool is mostly active.
+    is one long segment); segments are padded to a common length L.
+  * BGMV (batched gather matrix-vector): the L = 1 case, one segment per row, for decode batches
+    of many distinct adapters.
+    Both read the stacks in place, never copying adapter weights: segments are cut into runs on
+    consecutive slots (one `torch.bmm` over a `narrow` view of the stacks per run) or on one slot
+    (one matmul), so LRU-scattered slots cost one small product per run, not a gathered copy. The
+    copying form (`index_select` of A[seg_slots], B[seg_slots], then one bmm) stays as the
+    "gather" kernel for comparison.
+  * Dense: one matmul against the pool's slots lo..hi that the step uses (x @ A[lo:hi].T, a view),
+    a per-token slot choice with `torch.where` (not a 0/1 product: an inf that an adapter's finite
+    weights produce in its own column stays out of every other row; 0 * inf would be NaN), one
+    matmul against B[lo:hi]. Fewest calls, but every token multiplies every slot of the range.
   * A single adapter over the whole batch is one segment without any gather (two thin matmuls).
-  * Segments on consecutive slots (the engine orders decode rows by slot) read the stacks through
-    a view (`narrow`) instead of a gathered copy.
-The segment length and the kernel are chosen per step by a small traffic estimate.
+The segment length minimises padded rows + weight reads; the kernel is chosen per pool and step by
+`ModelLoRA.estimate`: call count x per-call cost + weight bytes / bandwidth + MACs / rate, with the
+constants measured on this device at first use (`kernel_costs`, ~0.1 s, cached per device/dtype).
 
-Adapters with NaN or infinite values are rejected at `set_adapter`: the dense kernel multiplies
-every slot of a pool by a 0/1 mask, and 0 * inf would leak into other rows.
+Adapters with NaN or infinite values are rejected at `set_adapter`, and so are adapters whose A
+or scale * B do not fit the slot dtype (scaled B past 65,504 in float16): stored weights are
+always finite, so only a product can overflow, and it stays in its own rows.
 
 Layer contract (after vLLM's `lora/layers/base.py`):
   `MultiLoRALinear.create_lora_weights(pools, dtype, device)`, `.set_lora(pool, slot, a, b, scale)`,
@@ -49,7 +55,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from handler.model import LORA_MODULES, ModelConfig
+from handler.model import LORA_MODULES, ModelConfig, to_device
 
 # The groups of modules that share an input, in the order their outputs sit in the fused base output.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -77,24 +83,36 @@ class PoolBatch:
     """The rows of one rank pool in one step and the kernel that computes them (module docstring).
 
     mode "whole":  one adapter (`first_slot`) covers every token of the step, in order;
-    mode "rows":   BGMV, one segment per token, tokens in order (seg_slots[i] is token i's slot);
+    mode "rows":   BGMV, one segment per token, tokens in order;
     mode "gather": SGMV, segments of up to `seg_len` tokens of one slot, padded; `gather` [U, L]
                    holds token indices, `out_index` the token of every valid position and `valid`
                    (None without padding) those positions in the flattened [U*L];
-    mode "dense":  every slot of the pool at once: `mask` [T, S+1] picks each token's slot.
+    mode "dense":  the slots lo .. lo + width - 1 of the pool at once; `mask` [T, width] (bool)
+                   picks each token's slot with `torch.where`.
+    Segment modes read the stacks in place, one product per run of segments: `runs` holds
+    (u0, u1, slot, step): segments u0..u1-1 sit on slots slot, slot + step, ... (step 1: one bmm
+    over a view of the stack; step 0: one slot, one matmul). With `seg_slots` set (the "gather"
+    kernel choice, kept for comparison) the stacks are copied with index_select instead.
     """
 
     pool: int
-    seg_slots: torch.Tensor | None  # [U] local slot per segment (device)
-    first_slot: int
-    num_segments: int
-    seg_len: int
     mode: str
+    first_slot: int = 0
+    num_segments: int = 0
+    seg_len: int = 1
+    runs: tuple = ()
+    seg_slots: torch.Tensor | None = None  # [U] local slots, only when the weights are copied
     gather: torch.Tensor | None = None
     out_index: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    contiguous: bool = False  # seg_slots == first_slot, first_slot + 1, ...: the stacks are sliced, not gathered
+    lo: int = 0
+    width: int = 0
+
+    @property
+    def contiguous(self) -> bool:
+        """Segments on consecutive slots: one product over a view of the stacks."""
+        return self.seg_slots is None and len(self.runs) == 1 and self.runs[0][3] == 1
 
 
 @dataclass
@@ -117,6 +135,86 @@ def _plan_segments(counts: list[int], rank: int) -> int:
         if best_cost is None or cost < best_cost or (cost == best_cost and L > best):
             best, best_cost = L, cost
     return best
+
+
+def _runs(seg_slots: list[int]) -> tuple:
+    """Maximal runs (u0, u1, first slot, step) of segments on consecutive (step 1) or equal (step 0) slots."""
+    runs = []
+    u0 = 0
+    n = len(seg_slots)
+    while u0 < n:
+        u1 = u0 + 1
+        step = 1 if u1 < n and seg_slots[u1] == seg_slots[u0] + 1 else 0
+        while u1 < n and seg_slots[u1] == seg_slots[u1 - 1] + step:
+            u1 += 1
+        runs.append((u0, u1, seg_slots[u0], step))
+        u0 = u1
+    return tuple(runs)
+
+
+# ------------------------------------------------------------------------------ kernel choice
+
+
+@dataclass(frozen=True)
+class KernelCosts:
+    """Per-device constants of the kernel-choice estimate, measured once per (device, dtype):
+
+        time = calls x call_s + weight bytes / read_bps + copied bytes / copy_bps + MACs / macs_per_s
+    """
+
+    call_s: float  # fixed cost of one small op (dispatch on CPU, launch on GPU)
+    read_bps: float  # bytes/s a thin (decode-sized) matmul streams its weights at
+    copy_bps: float  # bytes/s of an index_select copy of stack rows
+    macs_per_s: float  # multiply-adds/s of a wide matmul
+
+
+_COSTS: dict = {}
+
+
+def kernel_costs(device: torch.device, dtype: torch.dtype) -> KernelCosts:
+    """The calibrated constants for this device and dtype (measured on first use, ~50 ms, cached)."""
+    key = (str(device), dtype)
+    if key not in _COSTS:
+        _COSTS[key] = _calibrate(torch.device(device), dtype)
+    return _COSTS[key]
+
+
+def _calibrate(device: torch.device, dtype: torch.dtype) -> KernelCosts:
+    """Time four small ops (min of a few runs, robust to other jobs on a shared machine)."""
+    import time
+
+    def timed(fn, n):
+        fn()
+        best = float("inf")
+        for _ in range(n):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.inference_mode():
+        k, d = 1024, 1024
+        g = torch.Generator().manual_seed(0)
+        W = torch.randn(d, k, generator=g).to(device, dtype)
+        x1, xw = torch.randn(32, k, generator=g).to(device, dtype), torch.randn(256, k, generator=g).to(device, dtype)
+        a, b = torch.randn(1, 1, 16).to(device, dtype), torch.randn(1, 16, 16).to(device, dtype)
+        stack = torch.randn(32, 32, k, generator=g).to(device, dtype)
+        idx = torch.arange(0, 32, 2, device=device)
+        es = W.element_size()
+        call = timed(lambda: torch.bmm(a, b), 20)
+        thin = timed(lambda: x1 @ W.T, 5)
+        wide = timed(lambda: xw @ W.T, 3)
+        copy = timed(lambda: stack.index_select(0, idx), 5)
+    return KernelCosts(
+        call_s=call,
+        read_bps=W.numel() * es / max(thin - call, 1e-7),
+        copy_bps=2 * idx.numel() * 32 * k * es / max(copy - call, 1e-7),
+        macs_per_s=max(256 * W.numel() / max(wide - call, 1e-7), 32 * W.numel() / max(thin - call, 1e-7)),
+    )
 
 
 # ----------------------------------------------------------------------------------------- layers
@@ -188,29 +286,45 @@ class MultiLoRALinear:
                     ys = y[:, self.offsets[m] : self.offsets[m] + self.d[m]]
                     ys.addmm_(h[:, m * r : (m + 1) * r], Bs[m][pb.first_slot])
                 continue
-            if pb.mode == "dense":  # all slots of the pool, each token masked to its own
-                S1 = A.shape[0]
-                h = (x @ A.view(-1, self.k).T).view(T, S1, n_mod, r) * pb.mask.view(T, S1, 1, 1)
+            if pb.mode == "dense":  # a range of slots at once, each token keeps only its own
+                W = pb.width
+                a = A.narrow(0, pb.lo, W).reshape(W * n_mod * r, self.k)
+                h = (x @ a.T).view(T, W, n_mod, r)
+                # where, not a 0/1 product: an inf of another slot becomes 0, never 0 * inf = NaN
+                h = torch.where(pb.mask.view(T, W, 1, 1), h, h.new_zeros(()))
                 for m in range(n_mod):
                     ys = y[:, self.offsets[m] : self.offsets[m] + self.d[m]]
-                    ys.addmm_(h[:, :, m, :].reshape(T, S1 * r), Bs[m].view(S1 * r, self.d[m]))
+                    ys.addmm_(h[:, :, m, :].reshape(T, W * r), Bs[m].narrow(0, pb.lo, W).reshape(W * r, self.d[m]))
                 continue
-            if pb.contiguous:  # segments on consecutive slots: a view of the stack, no gathered copy
-                lo, U = pb.first_slot, pb.num_segments
-                a = A.narrow(0, lo, U)
-                bs = [B.narrow(0, lo, U) for B in Bs]
-            else:
-                a = A.index_select(0, pb.seg_slots)  # [U, n*r, k]
-                bs = [B.index_select(0, pb.seg_slots) for B in Bs]  # [U, r, d_m]
             xs = x.unsqueeze(1) if pb.mode == "rows" else x[pb.gather]  # [U, L, k]
-            h = torch.bmm(xs, a.transpose(1, 2))  # shrink: [U, L, n*r]
+            U, L = xs.shape[0], xs.shape[1]
+            copied = pb.seg_slots is not None
+            if copied:
+                h = torch.bmm(xs, A.index_select(0, pb.seg_slots).transpose(1, 2))  # shrink: [U, L, n*r]
+            else:
+                h = xs.new_empty((U, L, n_mod * r))
+                for u0, u1, s, step in pb.runs:  # in place: a view of consecutive slots, or one slot
+                    if step:
+                        torch.bmm(xs[u0:u1], A[s : s + u1 - u0].transpose(1, 2), out=h[u0:u1])
+                    else:
+                        torch.mm(xs[u0:u1].reshape(-1, self.k), A[s].T, out=h[u0:u1].view(-1, n_mod * r))
             for m in range(n_mod):
-                out = torch.bmm(h[:, :, m * r : (m + 1) * r], bs[m])  # expand: [U, L, d_m]
-                ys = y[:, self.offsets[m] : self.offsets[m] + self.d[m]]
-                if pb.mode == "rows":
-                    ys.add_(out.view(T, self.d[m]))
+                hm = h[:, :, m * r : (m + 1) * r]
+                dm = self.d[m]
+                if copied:
+                    out = torch.bmm(hm, Bs[m].index_select(0, pb.seg_slots))  # expand: [U, L, d_m]
                 else:
-                    flat = out.view(-1, self.d[m])
+                    out = xs.new_empty((U, L, dm))
+                    for u0, u1, s, step in pb.runs:
+                        if step:
+                            torch.bmm(hm[u0:u1], Bs[m][s : s + u1 - u0], out=out[u0:u1])
+                        else:
+                            torch.mm(hm[u0:u1].reshape(-1, r), Bs[m][s], out=out[u0:u1].view(-1, dm))
+                ys = y[:, self.offsets[m] : self.offsets[m] + dm]
+                if pb.mode == "rows":
+                    ys.add_(out.view(T, dm))
+                else:
+                    flat = out.view(-1, dm)
                     if pb.valid is not None:
                         flat = flat.index_select(0, pb.valid)
                     ys.index_add_(0, pb.out_index, flat)
@@ -291,6 +405,14 @@ class ModelLoRA:
                 layer.create_lora_weights(self.pools, dtype, device)
                 groups[gname] = layer
             self.layers.append(groups)
+        # per-slot weight values of each pool over the whole model, for the kernel-choice estimate
+        self._slot_values = [
+            sum(len(g.modules) * r * g.k + r * sum(g.d) for groups in self.layers for g in groups.values())
+            for r, _ in self.pools
+        ]
+        self._num_groups = config.num_layers * len(GROUPS)
+        self._num_modules = config.num_layers * len(LORA_MODULES)
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
 
     # -- slots
     def pool_index_for_rank(self, rank: int) -> int:
@@ -349,7 +471,7 @@ class ModelLoRA:
                     b[m] = ab["B"].to(self.device, torch.float32)
                     sc[m] = lora_scale(alpha, r, use_rslora)
                 layer.set_lora(pool, local, a, b, sc)
-                if self.dtype == torch.float16 and not all(  # scale * B can overflow float16 only
+                if not all(  # A or scale * B past the slot dtype's range (65,504 in float16)
                     bool(torch.isfinite(t[local]).all()) for t in [layer.A[pool], *layer.B[pool]]
                 ):
                     self.reset_adapter(slot)
@@ -362,18 +484,33 @@ class ModelLoRA:
                 layer.reset_lora(pool, local)
 
     # -- per step
-    DENSE_MAX_TOKENS = 128
+    kernel = "auto"  # default `mode` of prepare(); "segments", "gather" or "dense" force one kernel
 
-    kernel = "auto"  # default `mode` of prepare(); "segments" or "dense" force one kernel everywhere
+    def estimate(self, pool: int, kernel: str, tokens: int, segments: int, seg_len: int, runs: int, width: int) -> float:
+        """Estimated seconds of one step's LoRA work in `pool` for every layer (see `KernelCosts`).
+
+        Per slot the model holds P values (all layers and groups); G products groups and M modules:
+          dense:    width*P read, tokens*width*P MACs, 2G + M calls;
+          segments: U*P read, U*L*P MACs, runs*(G + M) + 2G + M calls;
+          gather:   U*P copied then read, U*L*P MACs, 3G + 3M calls."""
+        c = kernel_costs(self.device, self.dtype)
+        P, G, M = self._slot_values[pool], self._num_groups, self._num_modules
+        es = self._itemsize
+        if kernel == "dense":
+            return (2 * G + M) * c.call_s + width * P * es / c.read_bps + tokens * width * P / c.macs_per_s
+        work = segments * P * es / c.read_bps + segments * seg_len * P / c.macs_per_s
+        if kernel == "segments":
+            return (runs * (G + M) + 2 * G + M) * c.call_s + work
+        return (3 * G + 3 * M) * c.call_s + work + segments * P * es / c.copy_bps
 
     def prepare(self, slot_of_token: list[int], prefill: bool = True, mode: str | None = None) -> LoRABatch | None:
         """Kernel choice and segment metadata for a step whose flat tokens carry these global slots
         (0 = none). Built once per step and shared by every layer. `mode` forces "segments" (SGMV /
-        BGMV) or "dense" for tests and benchmarks; "auto" picks per pool by a traffic estimate:
-        gathering U segments moves about 3 x U slots of weights (read, write, read), the dense
-        kernel reads all S + 1 slots of the pool once but multiplies every token by every slot."""
+        BGMV reading the stacks in place), "gather" (the same with copied stacks) or "dense" for
+        tests and benchmarks; "auto" picks, per pool, the cheapest by `estimate` with this device's
+        measured constants."""
         mode = mode or self.kernel
-        if mode not in ("auto", "segments", "dense"):
+        if mode not in ("auto", "segments", "gather", "dense"):
             raise ValueError(f"unknown LoRA kernel mode {mode!r}")
         T = len(slot_of_token)
         by_pool: dict[int, dict[int, list[int]]] = {}
@@ -386,48 +523,40 @@ class ModelLoRA:
         pools = []
         dev = self.device
         for pool, segs in sorted(by_pool.items()):
-            r, S = self.pools[pool]
+            r = self.pools[pool][0]
             n = sum(len(v) for v in segs.values())
             if len(segs) == 1 and n == T and mode != "dense":
                 (local,) = segs
-                pools.append(PoolBatch(pool, None, local, 1, T, "whole"))
+                pools.append(PoolBatch(pool, "whole", first_slot=local, num_segments=1, seg_len=T))
                 continue
             L = _plan_segments([len(v) for v in segs.values()], r)
-            nseg = sum(-(-len(v) // L) for v in segs.values())
-            # segments over consecutive slots are read as a view (no copy): always the cheapest
-            if L == 1:
-                locals_in_order = [self._slot_map[s][1] for s in slot_of_token if s and self._slot_map[s][0] == pool]
-                consecutive = locals_in_order == list(range(locals_in_order[0], locals_in_order[0] + n))
-            else:
-                consecutive = L == max(len(v) for v in segs.values()) and sorted(segs) == list(
-                    range(min(segs), min(segs) + len(segs))
-                )
-            dense = mode == "dense" or (
-                mode == "auto" and not consecutive and T <= self.DENSE_MAX_TOKENS and (S + 1) < 3 * nseg
-            )
-            if dense:
-                mask = torch.zeros((T, S + 1), dtype=self.dtype)
-                for local, idx in segs.items():
-                    mask[idx, local] = 1
-                pools.append(PoolBatch(pool, None, 0, 0, 0, "dense", mask=mask.to(dev)))
-                continue
-            seg_slots: list[int] = []
-            rows: list[list[int]] = []
-            if L == 1:  # BGMV: one segment per token, in token order
-                for i, s in enumerate(slot_of_token):
-                    if s and self._slot_map[s][0] == pool:
-                        seg_slots.append(self._slot_map[s][1])
-                        rows.append([i])
+            rows_mode = L == 1 and n == T
+            if rows_mode:  # BGMV: one segment per token, in token order
+                seg_slots = [self._slot_map[s][1] for s in slot_of_token]
+                rows = [[i] for i in range(T)]
             else:  # SGMV: segments of up to L tokens of one slot, in slot order
+                seg_slots, rows = [], []
                 for local, idx in sorted(segs.items()):
                     for j in range(0, len(idx), L):
                         seg_slots.append(local)
                         rows.append(idx[j : j + L])
             U = len(rows)
-            slots_t = torch.tensor(seg_slots, dtype=torch.long, device=dev)
-            contiguous = seg_slots == list(range(seg_slots[0], seg_slots[0] + U))
-            if L == 1 and n == T:
-                pools.append(PoolBatch(pool, slots_t, seg_slots[0], U, 1, "rows", contiguous=contiguous))
+            runs = _runs(seg_slots)
+            lo = min(segs)
+            width = max(segs) - lo + 1
+            kernel = mode
+            if mode == "auto":
+                kernel = min(("segments", "dense", "gather"),
+                             key=lambda kn: self.estimate(pool, kn, T, U, L, len(runs), width))
+            if kernel == "dense":
+                mask = torch.zeros((T, width), dtype=torch.bool)
+                for local, idx in segs.items():
+                    mask[idx, local - lo] = True
+                pools.append(PoolBatch(pool, "dense", mask=to_device(mask, dev), lo=lo, width=width))
+                continue
+            copied = to_device(torch.tensor(seg_slots, dtype=torch.long), dev) if kernel == "gather" else None
+            if rows_mode:
+                pools.append(PoolBatch(pool, "rows", seg_slots[0], U, 1, runs, copied))
                 continue
             gather = torch.zeros((U, L), dtype=torch.long)
             valid_pos: list[int] = []
@@ -440,16 +569,10 @@ class ModelLoRA:
             padded = len(valid_pos) != U * L
             pools.append(
                 PoolBatch(
-                    pool,
-                    slots_t,
-                    seg_slots[0],
-                    U,
-                    L,
-                    "gather",
-                    gather=gather.to(dev),
-                    out_index=torch.tensor(out_index, dtype=torch.long, device=dev),
-                    valid=torch.tensor(valid_pos, dtype=torch.long, device=dev) if padded else None,
-                    contiguous=contiguous,
+                    pool, "gather", seg_slots[0], U, L, runs, copied,
+                    gather=to_device(gather, dev),
+                    out_index=to_device(torch.tensor(out_index, dtype=torch.long), dev),
+                    valid=to_device(torch.tensor(valid_pos, dtype=torch.long), dev) if padded else None,
                 )
             )
         return LoRABatch(pools)

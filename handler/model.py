@@ -245,6 +245,16 @@ _ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": l
 # --------------------------------------------------------------------------------- batch metadata
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on CUDA through pinned memory with a non-blocking copy (the
+    copy is ordered on the current stream before any kernel that reads it; no host sync)."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class AttnGroup:
     """Sequences of one step whose query tokens are attended together.

@@ -104,13 +104,13 @@ def fx():
         [0, 0, 0],  # no adapter at all
     ],
 )
-@pytest.mark.parametrize("mode", ["auto", "segments", "dense"])
+@pytest.mark.parametrize("mode", ["auto", "segments", "gather", "dense"])
 def test_layer_matches_naive_reference(fx, slots, mode):
     fx.check(slots, prefill=False, mode=mode)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.integers(0, 8), min_size=1, max_size=70), st.sampled_from(["auto", "segments", "dense"]))
+@given(st.lists(st.integers(0, 8), min_size=1, max_size=70), st.sampled_from(["auto", "segments", "gather", "dense"]))
 def test_layer_matches_reference_for_any_slot_assignment(fx, slots, mode):
     fx.check(slots, prefill=True, mode=mode)
 
@@ -127,22 +127,33 @@ def test_rank_pools_choose_smallest_fitting_pool(fx):
     assert [b[0].shape[1] for b in qkv.B] == [4, 8, 16]
 
 
-def test_kernel_choice(fx):
-    """One adapter: no gather; a decode step over most of a pool: dense; a long prefill: SGMV."""
+def test_kernel_choice(fx, monkeypatch):
+    """One adapter: no gather; forced kernels; runs of consecutive slots read the stacks as one view;
+    "auto" follows the device's measured costs (here replaced by fixed ones)."""
+    from handler import lora as lora_mod
+
     assert [p.mode for p in fx.lora.prepare([3] * 9).pools] == ["whole"]
-    assert [p.mode for p in fx.lora.prepare([4, 6, 4, 6]).pools] == ["dense"]  # pool {8: 3}, mostly used
-    assert [p.mode for p in fx.lora.prepare([4, 6, 4, 6], mode="segments").pools] == ["gather"]
-    # consecutive slots: segments read the stacks as a view, preferred over dense
-    (pb,) = fx.lora.prepare([4, 5, 6, 4]).pools
+    assert [p.mode for p in fx.lora.prepare([4, 6, 4, 6], mode="dense").pools] == ["dense"]
+    (pb,) = fx.lora.prepare([4, 6, 4, 6], mode="segments").pools
+    assert pb.mode == "gather" and pb.seg_slots is None and len(pb.runs) == 2  # in place, no copy
+    (pb,) = fx.lora.prepare([4, 6, 4, 6], mode="gather").pools
+    assert pb.mode == "gather" and pb.seg_slots is not None
+    (pb,) = fx.lora.prepare([4, 5, 6, 4], mode="segments").pools
     assert pb.mode == "gather" and pb.contiguous
-    (pb,) = fx.lora.prepare([4, 5, 6]).pools
+    (pb,) = fx.lora.prepare([4, 5, 6], mode="segments").pools
     assert pb.mode == "rows" and pb.contiguous
-    (pb,) = fx.lora.prepare([5, 4, 6]).pools
-    assert pb.mode == "dense"
-    (pb,) = fx.lora.prepare([5, 4, 6], mode="segments").pools
-    assert pb.mode == "rows" and not pb.contiguous
-    long = fx.lora.prepare([4] * 200 + [5] * 100 + [0] * 3)
+    (pb,) = fx.lora.prepare([6, 4, 5], mode="segments").pools  # local slots 3, 1, 2
+    assert pb.mode == "rows" and not pb.contiguous and pb.runs == ((0, 1, 3, 0), (1, 3, 1, 1))
+    long = fx.lora.prepare([4] * 200 + [5] * 100 + [0] * 3, mode="segments")
     assert [p.mode for p in long.pools] == ["gather"] and long.pools[0].seg_len > 1
+    key = (str(fx.lora.device), fx.lora.dtype)
+    # calls expensive (a launch-bound GPU): the dense kernel, fewest calls
+    monkeypatch.setitem(lora_mod._COSTS, key, lora_mod.KernelCosts(1e-3, 1e9, 1e9, 1e12))
+    assert [p.mode for p in fx.lora.prepare([6, 4, 6, 4]).pools] == ["dense"]
+    # calls free, bytes dear: segments in place (reads each used slot once, copies nothing)
+    monkeypatch.setitem(lora_mod._COSTS, key, lora_mod.KernelCosts(0.0, 1e9, 1e9, 1e12))
+    (pb,) = fx.lora.prepare([6, 4, 6, 4]).pools
+    assert pb.mode == "gather" and pb.seg_slots is None
 
 
 def test_reset_slot_gives_zero_delta(fx):
@@ -155,6 +166,27 @@ def test_reset_slot_gives_zero_delta(fx):
     layer.apply(x, y, lora.prepare([2, 2, 1, 0], mode="dense"))
     assert y[:2].abs().max() == 0
     assert y.abs().max() == 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "segments", "gather", "dense"])
+def test_huge_finite_adapter_reaches_no_other_row(mode):
+    """An adapter with finite weights whose product overflows (inf) changes only its own rows."""
+    fx = _Fixture(seed=5)
+    cfg = fx.cfg
+    huge = {k: v.sign() * 1e30 for k, v in _random_adapter(cfg, 8, LORA_MODULES, torch.Generator().manual_seed(9)).items()}
+    fx.lora.set_adapter(5, huge, 8, 16)  # a resident adapter of the {8: 3} pool, between others
+    fx.adapters[5] = (huge, 2.0)
+    slots = [4, 5, 6, 0, 4, 6, 5, 0, 1, 7]
+    batch = fx.lora.prepare(slots, prefill=False, mode=mode)
+    others = [i for i, s in enumerate(slots) if s != 5]
+    for group, layer in fx.lora.layers[0].items():
+        x = torch.randn(len(slots), layer.k)
+        y = torch.zeros(len(slots), sum(layer.d))
+        layer.apply(x, y, batch)
+        assert not torch.isfinite(y[[1, 6]]).all()  # its own rows overflow
+        ref = fx.reference(group, x[others], [slots[i] for i in others])
+        assert torch.isfinite(y[others]).all()
+        torch.testing.assert_close(y[others], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_bad_adapter_tensors_are_rejected():
