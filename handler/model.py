@@ -257,21 +257,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class AttnGroup:
-    """Sequences of one step whose query tokens are attended together.
+    """Query tokens of one step attended together by one `scaled_dot_product_attention` call.
 
-    Tokens of the group occupy the contiguous range [start, end) of the step's flat token list.
-    `pad_index` [B, L] maps (sequence, query position) to a flat token index (-1 if padding) or is
-    None when every sequence has exactly one query token (decode) in order.
+    kind "self":  `num_seqs` prefill chunks of `max_q` tokens each that start at position 0 and
+                  sit back to back at tokens [start, end): they attend only to themselves, so
+                  keys and values are the step's own (no cache read) and the mask is causal
+                  (`masks[w]` None: is_causal, else the windowed causal mask [L, L]);
+    kind "cache": the queries read the paged cache through `block_tables` [B, nb]: one prefill
+                  continuation (tokens [start, end), mask [1, 1, L, nb*bs]), or a bucket of decode
+                  rows (`index` [B]: their token indices; mask [B, 1, 1, nb*bs]). Decode rows are
+                  bucketed by context length (within a bucket the longest is < 2x the shortest
+                  + one block), so one long row pads only its own bucket, not every row.
     """
 
+    kind: str
     start: int
     end: int
     num_seqs: int
     max_q: int
-    pad_index: torch.Tensor | None  # [B, L] long, relative to start; padding -> 0 (masked out)
-    pad_valid: torch.Tensor | None  # [B*L] bool
-    block_tables: torch.Tensor  # [B, nb] long
-    masks: dict  # window (None or int) -> bool mask [B, 1, L, nb*block_size]
+    index: torch.Tensor | None  # decode buckets: token indices of the rows, else None (the range)
+    block_tables: torch.Tensor | None  # [B, nb] long (kind "cache")
+    masks: dict  # window (None or int) -> bool mask or None (plain causal)
 
 
 @dataclass
@@ -286,6 +292,31 @@ class StepBatch:
     lora: Any = None  # handler.lora.LoRABatch or None
 
 
+def _window_mask(qpos: torch.Tensor, klen: int, w: int | None) -> torch.Tensor:
+    """[..., q, klen] bool: key position j visible from query position p (j <= p, p - j < w)."""
+    kpos = torch.arange(klen)
+    m = kpos <= qpos.unsqueeze(-1)
+    if w is not None:
+        m &= kpos > qpos.unsqueeze(-1) - w
+    return m
+
+
+def _decode_buckets(ctx: list[int], block_size: int) -> list[list[int]]:
+    """Row indices grouped by context length, shortest first: a bucket's longest row holds fewer
+    than 2 x (its shortest row's blocks) + 1 blocks, so padding stays under half of a bucket."""
+    order = sorted(range(len(ctx)), key=lambda i: ctx[i])
+    buckets: list[list[int]] = []
+    lo = 0
+    for i in order:
+        nb = -(-ctx[i] // block_size)
+        if buckets and nb <= 2 * lo + 1:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+            lo = nb
+    return buckets
+
+
 def build_step_batch(
     seqs: list[tuple[list[int], int, list[int]]],
     block_size: int,
@@ -296,9 +327,11 @@ def build_step_batch(
 ) -> StepBatch:
     """Metadata for one forward over `seqs` = [(new token ids, start position, block table)].
 
-    Sequences at index >= `decode_from` carry exactly one token each and form the decode group;
-    the ones before form the prefill group. Logits are computed for the last token of each sequence
-    (or for every token with all_logits).
+    Sequences at index >= `decode_from` carry exactly one token each and are decode rows; the ones
+    before are prefill chunks, each attended at its own length (varlen: never padded to another
+    chunk). Logits are computed for the last token of each sequence (or for every token with
+    all_logits). Index tensors are built on the host and moved with `to_device` (pinned,
+    non-blocking on CUDA).
     """
     n = len(seqs)
     decode_from = n if decode_from is None else decode_from
@@ -306,7 +339,9 @@ def build_step_batch(
     pos: list[int] = []
     slots: list[int] = []
     last: list[int] = []
+    first: list[int] = []
     for ids, start, table in seqs:
+        first.append(len(tok))
         for j, t in enumerate(ids):
             p = start + j
             tok.append(t)
@@ -314,50 +349,48 @@ def build_step_batch(
             slots.append(table[p // block_size] * block_size + p % block_size)
         last.append(len(tok) - 1)
 
-    groups = []
-    cursor = 0
-    for lo, hi in ((0, decode_from), (decode_from, n)):
-        if hi <= lo:
+    def tables(rows: list[int], nb: int) -> torch.Tensor:
+        t = torch.zeros((len(rows), nb), dtype=torch.long)
+        for b, i in enumerate(rows):
+            used = min(nb, len(seqs[i][2]))
+            t[b, :used] = torch.tensor(seqs[i][2][:used], dtype=torch.long)
+        return to_device(t, device)
+
+    groups: list[AttnGroup] = []
+    i = 0
+    while i < decode_from:  # prefill chunks: runs of equal-length fresh chunks share one call
+        ids, start, _ = seqs[i]
+        q = len(ids)
+        if start == 0:
+            j = i + 1
+            while j < decode_from and seqs[j][1] == 0 and len(seqs[j][0]) == q:
+                j += 1
+            qpos = torch.arange(q)
+            masks = {w: None if w is None or w >= q else to_device(_window_mask(qpos, q, w), device) for w in windows}
+            groups.append(AttnGroup("self", first[i], first[i] + (j - i) * q, j - i, q, None, None, masks))
+            i = j
             continue
-        part = seqs[lo:hi]
-        qlens = [len(s[0]) for s in part]
-        ntok = sum(qlens)
-        L = max(qlens)
-        ctx = max(s[1] + len(s[0]) for s in part)
-        nb = max(1, -(-ctx // block_size))
-        tables = torch.zeros((len(part), nb), dtype=torch.long)
-        qpos = torch.zeros((len(part), L), dtype=torch.long)
-        for b, (ids, start, table) in enumerate(part):
-            used = -(-(start + len(ids)) // block_size)
-            tables[b, :used] = torch.tensor(table[:used], dtype=torch.long)
-            qpos[b, : len(ids)] = torch.arange(start, start + len(ids))
-        if all(q == 1 for q in qlens):
-            pad_index = pad_valid = None
-        else:
-            pad_index = torch.zeros((len(part), L), dtype=torch.long)
-            valid = torch.zeros((len(part), L), dtype=torch.bool)
-            off = 0
-            for b, q in enumerate(qlens):
-                pad_index[b, :q] = torch.arange(off, off + q)
-                valid[b, :q] = True
-                off += q
-            pad_index, pad_valid = pad_index.to(device), valid.view(-1).to(device)
-        kpos = torch.arange(nb * block_size)
-        causal = kpos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # padded queries sit at pos 0: key 0 only
-        masks = {}
-        for w in windows:
-            m = causal if w is None else causal & (kpos.view(1, 1, -1) > qpos.unsqueeze(-1) - w)
-            masks[w] = m.unsqueeze(1).to(device)
-        groups.append(
-            AttnGroup(cursor, cursor + ntok, len(part), L, pad_index, pad_valid, tables.to(device), masks)
-        )
-        cursor += ntok
+        ctx = start + q
+        nb = -(-ctx // block_size)
+        qpos = torch.arange(start, ctx)
+        masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(1, 1, q, -1), device) for w in windows}
+        groups.append(AttnGroup("cache", first[i], first[i] + q, 1, q, None, tables([i], nb), masks))
+        i += 1
+    dec = list(range(decode_from, n))
+    ctx = [seqs[i][1] + 1 for i in dec]
+    for bucket in _decode_buckets(ctx, block_size) if dec else []:
+        rows = [dec[b] for b in bucket]
+        nb = max(-(-ctx[b] // block_size) for b in bucket)
+        qpos = torch.tensor([ctx[b] - 1 for b in bucket]).view(-1, 1)
+        masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(len(rows), 1, 1, -1), device) for w in windows}
+        index = to_device(torch.tensor([first[r] for r in rows], dtype=torch.long), device)
+        groups.append(AttnGroup("cache", -1, -1, len(rows), 1, index, tables(rows, nb), masks))
     return StepBatch(
-        token_ids=torch.tensor(tok, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
-        cache_slots=torch.tensor(slots, dtype=torch.long, device=device),
+        token_ids=to_device(torch.tensor(tok, dtype=torch.long), device),
+        positions=to_device(torch.tensor(pos, dtype=torch.long), device),
+        cache_slots=to_device(torch.tensor(slots, dtype=torch.long), device),
         groups=groups,
-        logits_index=None if all_logits else torch.tensor(last, dtype=torch.long, device=device),
+        logits_index=None if all_logits else to_device(torch.tensor(last, dtype=torch.long), device),
     )
 
 
@@ -481,7 +514,11 @@ class Runner:
             kv.write(li, batch.cache_slots, k, v)
             attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
             for g in batch.groups:
-                attn[g.start : g.end] = self._attend(q[g.start : g.end], g, kv, li, window)
+                if g.index is None:
+                    sl = slice(g.start, g.end)
+                    attn[sl] = self._attend(q[sl], k[sl], v[sl], g, kv, li, window)
+                else:
+                    attn.index_copy_(0, g.index, self._attend(q[g.index], None, None, g, kv, li, window))
             attn = attn.view(T, qd)
             o = F.linear(attn, L.o, L.o_b)
             if lora is not None:
@@ -502,22 +539,29 @@ class Runner:
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
-    def _attend(self, q: torch.Tensor, g: AttnGroup, kv, layer: int, window: int | None) -> torch.Tensor:
-        """Attention of one group's queries [n, H, D] over their cached keys; returns [n, H, D]."""
-        B, Lq = g.num_seqs, g.max_q
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup, kv, layer: int,
+                window: int | None) -> torch.Tensor:
+        """Attention of one group's queries; q [n, H, D] and the step's own k, v [n, KVH, D] for
+        kind "self"; returns [n, H, D]. GQA goes to SDPA as `enable_gqa` (no repeated heads)."""
         H, D = q.shape[1], q.shape[2]
-        if g.pad_index is None:
-            qb = q.view(B, 1, H, D)
-        else:
-            qb = q[g.pad_index]  # [B, L, H, D]
-        k, v = kv.gather(layer, g.block_tables)  # [B, KVH, ctx, D]
-        out = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), k, v, attn_mask=g.masks[window], enable_gqa=k.shape[1] != H
-        )  # [B, H, L, D]
-        out = out.transpose(1, 2)
-        if g.pad_index is None:
-            return out.reshape(B, H, D)
-        return out.reshape(B * Lq, H, D)[g.pad_valid]
+        KVH = kv.num_kv_heads
+        gqa = KVH != H
+        if g.kind == "self":
+            B, L = g.num_seqs, g.max_q
+            qb = q.view(B, L, H, D).transpose(1, 2)
+            kb = k.view(B, L, KVH, D).transpose(1, 2)
+            vb = v.view(B, L, KVH, D).transpose(1, 2)
+            mask = g.masks[window]
+            if mask is None:
+                out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(B * L, H, D)
+        B, L = g.num_seqs, g.max_q
+        kc, vc = kv.gather(layer, g.block_tables)  # [B, KVH, nb*bs, D]: the group's own blocks only
+        qb = q.view(B, L, H, D).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=g.masks[window], enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(B * L, H, D)
 
     # -- convenience for tests and tools
     @torch.inference_mode()
