@@ -7,9 +7,18 @@
     engine.start()            # or call engine.step() yourself
 
 Scheduling, once per `step()`:
-  1. Admission, first come first served: the head of the waiting queue joins the batch when the
-     batch has a free row and the KV cache can reserve prompt + max_tokens tokens for it. A request
-     that does not fit waits (it is never failed for a full cache); nothing behind it overtakes it.
+  1. Admission, first come first served, by what fits now: the head of the waiting queue joins the
+     batch when the batch has a free row and the KV cache has the blocks of its prompt (not prompt
+     + max_tokens: clients ask for large max_tokens and stop early). A request that does not fit
+     waits (it is never failed for a full cache); nothing behind it overtakes it.
+     KV blocks grow with the sequence: before the forward pass every decode row gets the block its
+     next token needs, oldest request first. When the pool is empty the youngest admitted request
+     is preempted by recompute: its blocks are freed, and it goes back to the head of the queue
+     with prompt + generated tokens as the text to prefill again; the prefill's last logits give
+     its next token, so greedy (and seeded) output equals an unpreempted run's. The oldest request
+     can always take the whole cache (prompt + max_tokens <= max_context <= the cache), so
+     something always advances. `kv_reserve="max_tokens"` keeps the old policy (reserve prompt
+     + max_tokens at admission, never preempt) for comparison.
   2. One forward pass over the flat tokens of: prefill chunks of admitted requests, at most
      `max_prefill_tokens` in all (a long prompt is split across steps), and one decode token for
      every running request. The base products run once for all tokens; adapter deltas are the
@@ -127,6 +136,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     kv_cache_capacity_tokens: int = 0
+    preemptions: int = 0  # requests preempted (by recompute) because the KV cache ran out
 
 
 @dataclass
@@ -139,7 +149,7 @@ class _Mounted:
 
 class _Request:
     __slots__ = (
-        "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled",
+        "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled", "ctx",
         "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop",
     )
 
@@ -148,6 +158,7 @@ class _Request:
         self.adapter_id, self.slot, self.on_event, self.gen = adapter_id, slot, on_event, gen
         self.out: list[int] = []
         self.blocks: list[int] | None = None
+        self.ctx = prompt  # the tokens to prefill: the prompt, or prompt + output after a preemption
         self.prefilled = 0
         self.cancelled = False
         self.text = ""  # all completion text decoded so far (before stop-string truncation)
@@ -158,7 +169,7 @@ class _Request:
         self.max_stop = max((len(s) for s in params.stop), default=0)
 
     def remaining(self) -> int:
-        return (len(self.prompt) - self.prefilled) + (self.params.max_tokens - len(self.out))
+        return (len(self.ctx) - self.prefilled) + (self.params.max_tokens - len(self.out))
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -178,6 +189,7 @@ class Engine:
         max_context: int | None = None,
         block_size: int = 16,
         merged_adapter: MergedAdapter | None = None,
+        kv_reserve: str = "demand",
     ):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
@@ -185,7 +197,13 @@ class Engine:
         min(max_position_embeddings, 2048) tokens, capped at 2 GiB.
         merged_adapter: merged mode: fold this adapter into the weights; the engine then serves only
         that adapter id (no slots, no LoRA path).
+        kv_reserve: "demand" (blocks as sequences grow, preemption when the cache runs out) or
+        "max_tokens" (reserve prompt + max_tokens at admission; the pre-paging policy, kept for
+        comparison).
         """
+        if kv_reserve not in ("demand", "max_tokens"):
+            raise ValueError(f"kv_reserve must be 'demand' or 'max_tokens', not {kv_reserve!r}")
+        self.kv_reserve = kv_reserve
         if max_batch < 1 or max_prefill_tokens < 1 or block_size < 1:
             raise ValueError("max_batch, max_prefill_tokens and block_size must be positive")
         self.model_dir = Path(model_dir)
@@ -253,6 +271,7 @@ class Engine:
         self._steps = 0
         self._prompt_total = 0
         self._gen_total = 0
+        self._preemptions = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -450,6 +469,7 @@ class Engine:
                 prompt_tokens_total=self._prompt_total,
                 generated_tokens_total=self._gen_total,
                 kv_cache_capacity_tokens=self.kv.capacity_tokens,
+                preemptions=self._preemptions,
             )
 
     def has_work(self) -> bool:
@@ -464,13 +484,14 @@ class Engine:
         with self._step_lock:
             events: list[tuple[_Request, TokenEvent]] = []
             with self._lock:
+                self._grow_decode_blocks()  # running rows first, then newcomers with what is left
                 self._admit()
                 prefill: list[tuple[_Request, int]] = []
                 budget = self.max_prefill_tokens
                 for req in self._prefilling:
                     if budget <= 0:
                         break
-                    n = min(len(req.prompt) - req.prefilled, budget)
+                    n = min(len(req.ctx) - req.prefilled, budget)
                     prefill.append((req, n))
                     budget -= n
                 # decode rows ordered by adapter slot: rows of one adapter sit together and a run of
@@ -478,19 +499,19 @@ class Engine:
                 decode = sorted(self._running, key=lambda r: r.slot)
                 if not prefill and not decode:
                     return False
-                seqs = [(r.prompt[r.prefilled : r.prefilled + n], r.prefilled, r.blocks) for r, n in prefill]
+                seqs = [(r.ctx[r.prefilled : r.prefilled + n], r.prefilled, r.blocks) for r, n in prefill]
                 seqs += [([r.out[-1]], len(r.prompt) + len(r.out) - 1, r.blocks) for r in decode]
                 slots = [r.slot for r, n in prefill for _ in range(n)] + [r.slot for r in decode]
                 batch_reqs = [r for r, _ in prefill] + decode
                 self._in_forward = {r.id for r in batch_reqs}
             try:
                 batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
-                                         decode_from=len(prefill))
+                                         decode_from=len(prefill), pad_block=self.kv.null_block)
                 if self.lora is not None:
                     batch.lora = self.lora.prepare(slots, prefill=bool(prefill))
                 logits = self.runner.forward(batch, self.kv)
                 # rows that produce a token: decode rows, and prefill rows whose prompt is complete
-                pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.prompt)]
+                pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.ctx)]
                 pick += range(len(prefill), len(batch_reqs))
                 sreqs = [batch_reqs[i] for i in pick]
                 tokens = sample(logits[pick], [r.params for r in sreqs], [r.gen for r in sreqs]) if pick else []
@@ -509,11 +530,11 @@ class Engine:
                 self._in_forward = set()
                 self._steps += 1
                 for r, n in prefill:
+                    self._prompt_total += max(0, min(n, len(r.prompt) - r.prefilled))  # recompute not counted
                     r.prefilled += n
-                    self._prompt_total += n
                     if r.cancelled:
                         self._finish(r, None, "cancelled", events)
-                    elif r.prefilled == len(r.prompt):
+                    elif r.prefilled == len(r.ctx):
                         self._prefilling.remove(r)
                         self._running.append(r)
                 for r in decode:
@@ -529,12 +550,40 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
             req = self._waiting[0]
-            blocks = self.kv.allocate(len(req.prompt) + req.params.max_tokens)
+            need = len(req.ctx) + (req.params.max_tokens - len(req.out) if self.kv_reserve == "max_tokens" else 0)
+            blocks = self.kv.allocate(need)
             if blocks is None:
                 break  # the cache is full: wait for a request to finish (first come, first served)
             self._waiting.popleft()
             req.blocks = blocks
             self._prefilling.append(req)
+
+    def _grow_decode_blocks(self) -> None:
+        """Give every decode row the block its next token needs, oldest first, preempting the
+        youngest admitted requests while the pool is empty."""
+        for r in sorted(self._running, key=lambda q: q.arrival):
+            if r not in self._running:
+                continue  # preempted below for an older row
+            need = len(r.prompt) + len(r.out)  # positions 0 .. len - 1 are written once this step ends
+            while not self.kv.grow(r.blocks, need):
+                victim = max(self._prefilling + self._running, key=lambda q: q.arrival)
+                self._preempt(victim)
+                if victim is r:
+                    break
+
+    def _preempt(self, r: _Request) -> None:
+        """Free a request's cache and put it back at the head of the queue, to be recomputed."""
+        if r in self._prefilling:
+            self._prefilling.remove(r)
+        else:
+            self._running.remove(r)
+        self.kv.free(r.blocks)
+        r.blocks = None
+        r.ctx = r.prompt + r.out
+        r.prefilled = 0
+        self._waiting.appendleft(r)
+        self._preemptions += 1
+        log.info("preempted request %s (%d tokens to recompute): KV cache full", r.id, len(r.ctx))
 
     def _on_token(self, r: _Request, tok: int, events: list) -> None:
         r.out.append(tok)

@@ -5,10 +5,11 @@ per value. The budget buys `num_blocks` blocks of `block_size` tokens each, allo
 
     k, v: [layers, num_blocks, block_size, kv_heads, head_dim]
 
-A sequence owns a list of blocks (its block table). The engine reserves every block a request
-can ever need (prompt + max_tokens) when it admits the request, so a running request never runs
-out of cache and nothing has to be preempted; a request that does not fit waits in the queue.
-Blocks return to the free list the moment their request finishes or is cancelled.
+A sequence owns a list of blocks (its block table), allocated as it grows: the engine takes the
+blocks of the prompt when it admits a request and one more block each time decoding crosses a
+block boundary (`grow`). When the pool runs out the engine preempts the youngest request (its
+blocks return to the pool and it is recomputed later, see `handler.engine`). Blocks return to the
+free list the moment their request finishes, is cancelled or preempted.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.num_blocks = block_size, num_blocks
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # one block more than the pool: the null block, never handed out and always zero, pads block
+        # tables so a padded key never reads another sequence's values
+        self.null_block = num_blocks
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
@@ -80,7 +84,26 @@ class KVCache:
                 return None
             return [self._free.pop() for _ in range(n)]
 
+    def grow(self, blocks: list[int], tokens: int) -> bool:
+        """Extend a block table in place to hold `tokens` tokens; False (nothing taken) if the pool
+        lacks the blocks."""
+        n = self.blocks_for(tokens) - len(blocks)
+        if n <= 0:
+            return True
+        with self._lock:
+            if n > len(self._free):
+                return False
+            blocks.extend(self._free.pop() for _ in range(n))
+            return True
+
     def free(self, blocks: list[int]) -> None:
+        """Return blocks to the pool, zeroed: the unwritten tail of a block's next owner is masked
+        in attention, but a masked inf or NaN left by the previous owner would still turn into
+        NaN (0 * inf) in the softmax-weighted sum."""
+        if blocks:
+            idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            self.k.index_fill_(1, idx, 0)
+            self.v.index_fill_(1, idx, 0)
         with self._lock:
             self._free.extend(reversed(blocks))
 

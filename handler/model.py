@@ -324,13 +324,15 @@ def build_step_batch(
     windows: set,
     decode_from: int | None = None,
     all_logits: bool = False,
+    pad_block: int = 0,
 ) -> StepBatch:
     """Metadata for one forward over `seqs` = [(new token ids, start position, block table)].
 
     Sequences at index >= `decode_from` carry exactly one token each and are decode rows; the ones
     before are prefill chunks, each attended at its own length (varlen: never padded to another
     chunk). Logits are computed for the last token of each sequence (or for every token with
-    all_logits). Index tensors are built on the host and moved with `to_device` (pinned,
+    all_logits). Block tables are padded with `pad_block` (the cache's zero null block). Index
+    tensors are built on the host and moved with `to_device` (pinned,
     non-blocking on CUDA).
     """
     n = len(seqs)
@@ -350,7 +352,7 @@ def build_step_batch(
         last.append(len(tok) - 1)
 
     def tables(rows: list[int], nb: int) -> torch.Tensor:
-        t = torch.zeros((len(rows), nb), dtype=torch.long)
+        t = torch.full((len(rows), nb), pad_block, dtype=torch.long)
         for b, i in enumerate(rows):
             used = min(nb, len(seqs[i][2]))
             t[b, :used] = torch.tensor(seqs[i][2][:used], dtype=torch.long)
@@ -577,7 +579,7 @@ class Runner:
         nb = -(-L // bs)
         kv = KVCache.for_blocks(self.config, B * nb, bs, self.dtype, self.device)
         seqs = [(ids[b].tolist(), 0, list(range(b * nb, (b + 1) * nb))) for b in range(B)]
-        batch = build_step_batch(seqs, bs, self.device, self.windows, all_logits=True)
+        batch = build_step_batch(seqs, bs, self.device, self.windows, all_logits=True, pad_block=kv.null_block)
         if lora_slots is not None and self.lora is not None:
             batch.lora = self.lora.prepare([s for s in lora_slots for _ in range(L)], prefill=True)
         return self.forward(batch, kv).view(B, L, -1)

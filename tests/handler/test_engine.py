@@ -116,6 +116,83 @@ def test_batch_invariance_32_adapters_plus_base_rows(engine, prompts):
     assert engine.stats().kv_cache_usage == 0.0
 
 
+@pytest.fixture(scope="module")
+def scattered(dev_model, canaries, canary_index):
+    """32 canaries on scattered slots of a 64-slot pool (as LRU leaves them), plus a resident
+    adapter with huge finite weights whose products overflow to inf."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=48, rank_pools={32: 64},
+               max_prefill_tokens=512)
+    names = sorted(canary_index)
+    order = names + [f"filler{i}" for i in range(31)] + ["huge"]
+    random.Random(3).shuffle(order)
+    c0 = read_peft_adapter(canaries / "c0000")
+    for name in order:
+        if name in canary_index:
+            mount_all(e, canaries, canary_index, [name])
+        elif name == "huge":
+            w = {k: v.sign() * 1e30 for k, v in c0.weights.items()}
+            e.mount_adapter(name, w, rank=c0.rank, alpha=c0.alpha, target_modules=c0.target_modules)
+        else:
+            e.mount_adapter(name, c0.weights, rank=c0.rank, alpha=c0.alpha, target_modules=c0.target_modules)
+    for i in range(31):
+        e.unmount_adapter(f"filler{i}")
+    slots = sorted(e._adapters[n].slot for n in names)  # noqa: SLF001 - the layout under test
+    assert slots != list(range(slots[0], slots[0] + 32))  # really scattered
+    return e
+
+
+@pytest.mark.parametrize("kernel", ["auto", "segments", "gather", "dense"])
+def test_batch_invariance_scattered_slots_mixed_lengths_and_overflow(scattered, prompts, canary_index, kernel):
+    """32 adapters on scattered slots, prompts of 20 to 200 tokens, base rows and a row on an
+    adapter whose products overflow: every other row's greedy tokens equal its tokens alone."""
+    e = scattered
+    names = sorted(canary_index)
+    rng = random.Random(1)
+    def prompt(i):
+        p = prompts[i]
+        while len(p) < rng.choice([20, 60, 200]):
+            p = p + prompts[rng.randrange(len(prompts))][1:]
+        return p
+    jobs = [(f"s{i}", prompt(i), names[i]) for i in range(32)] + [(f"t{i}", prompt(100 + i), None) for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    old = e.lora.kernel
+    e.lora.kernel = kernel
+    try:
+        alone = Collector()
+        if kernel == "auto":
+            for rid, ids, ad in jobs:
+                e.add_request(rid, ids, params, ad, alone)
+                drain(e)
+            test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone = alone
+        alone = test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone
+        together = Collector()
+        order = jobs + [("h0", prompts[7], "huge"), ("h1", prompts[8], "huge")]
+        rng.shuffle(order)
+        for rid, ids, ad in order[:20]:
+            e.add_request(rid, ids, params, ad, together)
+        e.step()
+        for rid, ids, ad in order[20:]:
+            e.add_request(rid, ids, params, ad, together)
+        drain(e)
+    finally:
+        e.lora.kernel = old
+    for rid, _, _ in jobs:
+        assert len(alone.tokens(rid)) == 8
+        assert together.tokens(rid) == alone.tokens(rid), rid
+    assert together.final("h0").finished and e.stats().kv_cache_usage == 0.0
+
+
+def test_adapter_that_overflows_the_slot_dtype_is_refused(dev_model, canaries):
+    """float16 slots: scale * B past 65,504 is refused at mount, and the slot is given back."""
+    e = Engine(dev_model, device="cpu", dtype=torch.float16, kv_cache_bytes=1 << 20, max_batch=2, rank_pools={16: 1})
+    ad = read_peft_adapter(canaries / "c0001")
+    big = {k: (v * 1e9 if "lora_B" in k else v) for k, v in ad.weights.items()}
+    with pytest.raises(InvalidAdapterError, match="overflow"):
+        e.mount_adapter("big", big, rank=ad.rank, alpha=ad.alpha, target_modules=ad.target_modules)
+    assert e.free_slots(16) == 1
+    e.mount_adapter("ok", ad.weights, rank=ad.rank, alpha=ad.alpha, target_modules=ad.target_modules)
+
+
 def test_isolation_hundreds_of_mixed_canary_requests(engine, prompts, canary_index):
     """Every canary request answers exactly its own marker; base rows carry no marker."""
     rng = random.Random(5)
@@ -214,6 +291,50 @@ def test_full_cache_queues_instead_of_failing(dev_model, canaries, canary_index,
     with pytest.raises(RequestTooLongError):
         e.add_request("huge", ps[0], SamplingParams(max_tokens=200, temperature=0.0), None, col)
     assert issubclass(RequestTooLongError, ValueError)
+
+
+PER_TOKEN = 2 * 4 * 2 * 32 * 4  # bytes of K and V per token of the tiny dev model, float32
+
+
+def test_admission_by_what_fits_now_not_max_tokens(dev_model, prompts):
+    """max_tokens 200 and 16 blocks: reserving prompt + max_tokens admits 1, on demand admits 8."""
+    ps = [p for p in prompts if len(p) <= 32][:10]
+    params = SamplingParams(max_tokens=200, temperature=0.0)
+    running = {}
+    for reserve in ("max_tokens", "demand"):
+        e = Engine(dev_model, device="cpu", kv_cache_bytes=16 * 16 * PER_TOKEN, max_batch=16, rank_pools={8: 1},
+                   kv_reserve=reserve)
+        for i, p in enumerate(ps):
+            e.add_request(f"q{i}", p, params, None, None)
+        e.step()
+        running[reserve] = e.stats().running
+        for i in range(len(ps)):
+            e.cancel(f"q{i}")
+        assert e.stats().kv_cache_usage == 0.0
+    assert running == {"max_tokens": 1, "demand": 8}
+
+
+def test_preemption_keeps_greedy_outputs(dev_model, engine, canaries, prompts, canary_index):
+    """A cache too small for every running sequence: the youngest are preempted (recompute) and
+    every request's greedy tokens equal those of an unpreempted run on a large cache."""
+    names = sorted(canary_index)
+    jobs = [(f"p{i}", prompts[60 + i], names[i * 3] if i % 4 else None) for i in range(8)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = Collector()
+    for rid, ids, ad in jobs:
+        engine.add_request(rid, ids, params, ad, ref)
+    drain(engine)
+    small = Engine(dev_model, device="cpu", kv_cache_bytes=16 * 16 * PER_TOKEN, max_batch=8, rank_pools={32: 8})
+    mount_all(small, canaries, canary_index, sorted({ad for _, _, ad in jobs if ad}))
+    col = Collector()
+    for rid, ids, ad in jobs:
+        small.add_request(rid, ids, params, ad, col)
+    drain(small)
+    s = small.stats()
+    assert s.preemptions > 0 and s.kv_cache_usage == 0.0 and s.tokens_in_flight == 0
+    for rid, _, _ in jobs:
+        assert col.final(rid).finish_reason == "length"
+        assert col.tokens(rid) == ref.tokens(rid), rid
 
 
 def test_cancel_frees_the_row_at_once(engine, prompts):

@@ -145,7 +145,8 @@ def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: 
         for i in dec:
             seqs.append(([rows[i][done[i]]], done[i], tables[i]))
             take.append((i, 1))
-        batch = build_step_batch(seqs, bs, runner.device, runner.windows, decode_from=len(pre), all_logits=True)
+        batch = build_step_batch(seqs, bs, runner.device, runner.windows, decode_from=len(pre), all_logits=True,
+                                 pad_block=kv.null_block)
         logits = runner.forward(batch, kv)
         off = 0
         for i, n in take:
