@@ -381,23 +381,55 @@ async def _complete(request: Request, kind: str) -> Response | Stream:
         finally:
             gen.abandon()
         return _json_response(200, body, headers)
-    return Stream(_sse(greq, gen), media_type="text/event-stream",
+    return Stream(_sse(greq, gen, h.token_text), media_type="text/event-stream",
                   headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-async def _sse(greq, gen: Generation) -> AsyncIterator[bytes]:
+async def _sse(greq, gen: Generation, token_text) -> AsyncIterator[bytes]:
+    """The stream of a generation: per choice (`index`) a role chunk (chat), content (or text)
+    chunks with their logprobs, tool calls as `tool_calls` deltas once complete, and a finish chunk;
+    then the usage chunk (on request) and [DONE]."""
+    from handler.constrained import ToolCallStream
+
     rid, model, created = greq.response_id, greq.model, greq.created
     chat = greq.kind == "chat"
+    want_lp = greq.body.n_logprobs is not None
+    tools = [ToolCallStream(oai.new_call_id) for _ in range(greq.n)] if chat and greq.tool_mode else None
+    called = [False] * greq.n
+
+    def lp_obj(entries):
+        if not want_lp or entries is None:
+            return None
+        return oai.chat_logprobs(entries, token_text) if chat else oai.completion_logprobs(entries, token_text)
+
+    def chunks(i: int, text: str, entries, finish: str | None):
+        if not chat:
+            if text or finish or entries:
+                yield oai.completion_chunk(rid, model, created, text=text, finish_reason=finish, index=i,
+                                           logprobs=lp_obj(entries))
+            return
+        calls = []
+        if tools is not None:
+            text, calls = tools[i].feed(text) if not finish else _join(tools[i].feed(text), tools[i].close())
+        if text or entries:
+            yield oai.chat_chunk(rid, model, created, content=text, index=i, logprobs=lp_obj(entries))
+        if calls:
+            called[i] = True
+            yield oai.chat_chunk(rid, model, created, index=i, tool_calls=[
+                {"index": k, "id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                for k, cid, name, args in calls])
+        if finish:
+            if called[i] and finish == "stop":
+                finish = "tool_calls"
+            yield oai.chat_chunk(rid, model, created, index=i, finish_reason=finish)
+
     try:
         if chat:
-            yield oai.sse(oai.chat_chunk(rid, model, created, content="", role=True))
+            for i in range(greq.n):
+                yield oai.sse(oai.chat_chunk(rid, model, created, content="", role=True, index=i))
         async for d in gen:
-            if d.text:
-                yield oai.sse(oai.chat_chunk(rid, model, created, content=d.text) if chat
-                              else oai.completion_chunk(rid, model, created, text=d.text))
-            if d.finish_reason:
-                yield oai.sse(oai.chat_chunk(rid, model, created, finish_reason=d.finish_reason) if chat
-                              else oai.completion_chunk(rid, model, created, finish_reason=d.finish_reason))
+            for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
+                yield oai.sse(obj)
         if greq.include_usage:
             yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens))
         yield oai.SSE_DONE
@@ -406,6 +438,10 @@ async def _sse(greq, gen: Generation) -> AsyncIterator[bytes]:
         yield oai.SSE_DONE
     finally:
         gen.abandon()  # no-op when it finished; cancels the engine request when the client left
+
+
+def _join(a: tuple[str, list], b: tuple[str, list]) -> tuple[str, list]:
+    return a[0] + b[0], a[1] + b[1]
 
 
 @post("/v1/chat/completions", status_code=200)

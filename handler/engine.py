@@ -54,7 +54,7 @@ from handler.kvcache import KVCache
 from handler.lora import InvalidAdapterWeightsError, ModelLoRA, read_peft_adapter
 from handler.merge import MergedAdapter, merge_adapter
 from handler.model import Runner, build_step_batch
-from handler.sampling import SamplingParams, make_generator, sample
+from handler.sampling import RowState, SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # the token's (logprob, [(token, logprob), ...top]) when the request asked for logprobs
+    logprobs: tuple | None = None
 
 
 @dataclass
@@ -398,7 +400,7 @@ class Engine:
         params or ids, duplicate live request id) or UnknownAdapterError (adapter not mounted).
         """
         try:
-            params.validate()
+            params.validate(self.config.vocab_size)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         prompt = [int(t) for t in prompt_ids]
@@ -406,16 +408,19 @@ class Engine:
             raise InvalidRequestError("prompt_ids is empty")
         if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        try:  # before any reference is taken: a seed torch refuses must leave nothing behind
-            generator = make_generator(params, self.device)
-        except (RuntimeError, OverflowError, ValueError) as e:
-            raise InvalidRequestError(f"invalid seed: {e}") from None
         total = len(prompt) + params.max_tokens
         if total > self.max_context:
             raise RequestTooLongError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds this engine's max_context of {self.max_context} tokens"
             )
+        try:  # before any reference is taken: a seed torch refuses or a grammar that does not
+            # compile must leave nothing behind
+            state = RowState(params, prompt, self.device, self.config.vocab_size, self.tokenizer)
+        except (RuntimeError, OverflowError) as e:
+            raise InvalidRequestError(f"invalid seed: {e}") from None
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -431,7 +436,7 @@ class Engine:
                     raise UnknownAdapterError(f"adapter {adapter_id} is not mounted")
                 m.refs += 1
                 slot = m.slot
-            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, generator)
+            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, state)
             self._requests[request_id] = req
             self._waiting.append(req)
             self._cond.notify_all()
@@ -608,7 +613,7 @@ class Engine:
         if upto > r.emitted:
             delta = r.text[r.emitted : upto]
             r.emitted = upto
-        events.append((r, TokenEvent(r.id, tok, delta, False, None, len(r.prompt), len(r.out))))
+        events.append((r, TokenEvent(r.id, tok, delta, False, None, len(r.prompt), len(r.out), logprobs=r.gen.logprobs)))
 
     def _detok(self, r: _Request) -> str:
         """Incremental detokenization: new text once it no longer ends in a partial character."""
@@ -636,7 +641,8 @@ class Engine:
             self._adapters[r.adapter_id].refs -= 1
         delta = r.text[r.emitted :] if reason in ("stop", "length") else ""
         r.emitted = len(r.text)
-        events.append((r, TokenEvent(r.id, tok, delta, True, reason, len(r.prompt), len(r.out), error)))
+        events.append((r, TokenEvent(r.id, tok, delta, True, reason, len(r.prompt), len(r.out), error,
+                                     r.gen.logprobs if tok is not None else None)))
 
     @staticmethod
     def _dispatch(events: list[tuple[_Request, TokenEvent]]) -> None:

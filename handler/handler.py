@@ -89,17 +89,43 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     response_id: str = ""
     created: int = 0
+    n: int = 1  # choices
+    grammar: str | None = None  # constrained decoding (response_format or tools), see handler.constrained
+    tool_mode: str | None = None  # None, "auto", "required" or the named function
 
 
 @dataclass
 class Delta:
     text: str
     finish_reason: str | None = None
+    index: int = 0  # the choice (n > 1)
+    logprobs: list | None = None  # the logprob entries of the tokens behind `text` (oai.LogprobEntry)
+
+
+class _Choice:
+    """One of the n sequences of a request: its engine request id and what it produced so far."""
+
+    __slots__ = ("engine_id", "text_parts", "finish_reason", "completion_tokens", "logprobs", "pending", "done")
+
+    def __init__(self, engine_id: str):
+        self.engine_id = engine_id
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.logprobs: list = []  # every entry (non-streamed answers)
+        self.pending: list = []  # entries not yet handed out with a Delta
+        self.done = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
 
 class Generation:
-    """One request in flight: an async iterator of `Delta`s; `usage` and `finish_reason` are set
-    once it ends. Closing it early (`aclose`, or the HTTP client going away) cancels the request."""
+    """One request in flight: an async iterator of `Delta`s over its n choices (each Delta names its
+    choice); `usage` and `finish_reason` are set once it ends. The n choices are n engine requests on
+    the same prompt (choice 0 has the request's id, choice i the id + f".{i}"). Closing it early
+    (`aclose`, or the HTTP client going away) cancels the request."""
 
     def __init__(self, handler: LoraHandler, greq: GenerationRequest, timer: RequestTimer):
         self.h = handler
@@ -107,11 +133,23 @@ class Generation:
         self.timer = timer
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = len(greq.prompt_ids)
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.text_parts: list[str] = []
-        self._done = False  # the engine reported the end (or we stopped listening)
+        self.choices = [_Choice(greq.request_id if i == 0 else f"{greq.request_id}.{i}") for i in range(greq.n)]
+        self._index = {c.engine_id: i for i, c in enumerate(self.choices)}
+        self._engine_open = {c.engine_id for c in self.choices}  # no final event from the engine yet
+        self._done = False  # every choice ended (or we stopped listening)
         self._released = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def text_parts(self) -> list[str]:
+        return self.choices[0].text_parts
 
     # called on the engine thread: must not block
     def _on_event(self, ev) -> None:
@@ -121,47 +159,87 @@ class Generation:
             pass
 
     def _deliver(self, ev) -> None:
-        """On the loop: queue the event for the consumer; on the engine's final event drop the adapter
-        reference at once, whether or not anyone still reads this generation."""
+        """On the loop: queue the event for the consumer; once the engine has ended every choice,
+        drop the adapter reference at once, whether or not anyone still reads this generation."""
         self.queue.put_nowait(ev)
         if ev.finished or getattr(ev, "error", None):
-            self._release()
+            self._engine_open.discard(ev.request_id)
+            if not self._engine_open:
+                self._release()
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._iter()
+
+    def _entry(self, c: _Choice, ev) -> None:
+        lp = getattr(ev, "logprobs", None)
+        if lp is None or ev.token_id is None:
+            return
+        if ev.finished and ev.finish_reason == "stop" and (
+                ev.token_id in self.h.engine.eos_token_ids):
+            return  # the EOS token is not part of the answer
+        entry = (ev.token_id, lp[0], lp[1])
+        c.logprobs.append(entry)
+        c.pending.append(entry)
+
+    def _take(self, c: _Choice) -> list | None:
+        if not c.pending:
+            return None
+        out, c.pending = c.pending, []
+        return out
 
     async def _iter(self) -> AsyncIterator[Delta]:
         try:
             while not self._done:
                 ev = await self.queue.get()
+                i = self._index.get(ev.request_id, 0)
+                c = self.choices[i]
                 if getattr(ev, "error", None):
-                    self._done = True
-                    self._finish(ev, "error")
-                    self._release()
+                    self._end_all("error")
                     raise oai.OpenAIError(500, f"generation failed: {ev.error}", type="server_error",
                                           code="generation_error")
                 text = ev.text or ""
                 if ev.token_id is not None and ev.token_id >= 0:
                     self.timer.on_token()
                 if ev.completion_tokens is not None:
-                    self.completion_tokens = ev.completion_tokens
+                    c.completion_tokens = ev.completion_tokens
                 if ev.prompt_tokens:
                     self.prompt_tokens = ev.prompt_tokens
+                self._entry(c, ev)
                 out = text  # the engine applies stop strings (and holds back partial matches)
                 if ev.finished:
-                    self._done = True
-                    self._finish(ev, ev.finish_reason or "stop")
-                    self._release()
+                    c.done = True
+                    reason = ev.finish_reason or "stop"
+                    c.finish_reason = reason if reason in ("stop", "length", "cancelled", "error") else "stop"
                     if out:
-                        self.text_parts.append(out)
-                        yield Delta(out)
-                    yield Delta("", self.finish_reason)
-                    return
+                        c.text_parts.append(out)
+                        yield Delta(out, None, i, self._take(c))
+                    yield Delta("", c.finish_reason, i, self._take(c))
+                    if all(x.done for x in self.choices):
+                        self._done = True
+                        self.timer.on_finish(self.finish_reason, self.prompt_tokens, self.completion_tokens)
+                        self._log()
+                        if not self._engine_open:
+                            self._release()
+                        return
+                    continue
                 if out:
-                    self.text_parts.append(out)
-                    yield Delta(out)
+                    c.text_parts.append(out)
+                    yield Delta(out, None, i, self._take(c))
         finally:
             self.abandon()
+
+    def _end_all(self, reason: str) -> None:
+        for c in self.choices:
+            if not c.done:
+                c.done = True
+                c.finish_reason = reason
+        for c in self.choices:
+            if c.engine_id in self._engine_open:
+                self.h.engine.cancel(c.engine_id)
+        self._done = True
+        self.timer.on_finish(reason, self.prompt_tokens, self.completion_tokens)
+        self._log()
+        self._release_after_engine_end()
 
     def abandon(self) -> None:
         """Stop caring about this request (the client went away or the consumer stopped early):
@@ -169,25 +247,15 @@ class Generation:
         already ended. Synchronous, so it is safe in `finally` blocks under cancellation."""
         if self._done:
             return
-        self._done = True
-        self.h.engine.cancel(self.greq.request_id)
-        self.finish_reason = self.finish_reason or "cancelled"
-        self.timer.on_finish("cancelled", self.prompt_tokens, self.completion_tokens)
-        self._log()
-        self._release_after_engine_end()
-
-    def _finish(self, ev, reason: str) -> None:
-        self.finish_reason = reason if reason in ("stop", "length", "cancelled", "error") else "stop"
-        self.timer.on_finish(self.finish_reason, self.prompt_tokens, self.completion_tokens)
-        self._log()
+        self._end_all("cancelled")
 
     def _log(self) -> None:
         """One line per request: the adapter id is logged on every request (isolation audits)."""
         t = self.timer
         ttft = f"{(t.first_token - t.arrival) * 1000:.1f}ms" if t.first_token else "-"
-        reqlog.info("request %s model=%s adapter=%s tier=%s prompt=%d completion=%d finish=%s ttft=%s e2e=%.1fms",
-                    self.greq.request_id, self.greq.model, self.greq.adapter_id or "-", self.greq.tier,
-                    self.prompt_tokens, self.completion_tokens, self.finish_reason,
+        reqlog.info("request %s model=%s adapter=%s tier=%s n=%d prompt=%d completion=%d finish=%s ttft=%s "
+                    "e2e=%.1fms", self.greq.request_id, self.greq.model, self.greq.adapter_id or "-", self.greq.tier,
+                    self.greq.n, self.prompt_tokens, self.completion_tokens, self.finish_reason,
                     ttft, (time.perf_counter() - t.arrival) * 1000)
 
     def _release(self) -> None:
@@ -208,12 +276,14 @@ class Generation:
                 log.warning("no final event for cancelled request %s: releasing its adapter", self.greq.request_id)
                 self._release()
 
-        if not self._released:
+        if not self._released and self._engine_open:
             self.h._bg(fallback)
+        elif not self._engine_open:
+            self._release()
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return self.choices[0].text
 
 
 class LoraHandler:
@@ -233,6 +303,7 @@ class LoraHandler:
         self._waiting_for_adapter = 0
         self._tasks: set[asyncio.Task] = set()
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -359,10 +430,40 @@ class LoraHandler:
                     f"completion). Please reduce the length of the prompt or max_tokens.",
                     param="max_tokens", code="context_length_exceeded")
         rid = f"{self.context.replica_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        tool_mode = req.tool_mode if kind == "chat" else None
         return GenerationRequest(
             kind=kind, body=req, model=req.model, adapter_id=adapter_id, prompt_ids=prompt_ids,
             max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
-            tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now())
+            tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now(), n=req.n,
+            grammar=self._grammar(kind, req), tool_mode=tool_mode)
+
+    def _grammar(self, kind: str, req) -> str | None:
+        """The grammar that constrains the answer (json_object / json_schema / tool calls), checked
+        against this model's tokenizer; None for free text. 400 when it does not compile."""
+        from handler import constrained
+
+        if kind != "chat":
+            return None
+        if req.tool_mode is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            grammar = constrained.tools_grammar(tools, req.tool_mode, req.parallel_tool_calls is not False)
+            param = "tools"
+        elif req.response_format is not None and req.response_format.type == "json_object":
+            grammar, param = constrained.json_object_grammar(), "response_format"
+        elif req.response_format is not None and req.response_format.type == "json_schema":
+            try:
+                grammar = constrained.json_schema_grammar(req.response_format.json_schema.schema_)
+            except ValueError as e:
+                raise oai.bad_request(f"Invalid response_format.json_schema: {e}", param="response_format",
+                                      code="invalid_value") from None
+            param = "response_format"
+        else:
+            return None
+        err = constrained.check_grammar(grammar, self.engine.tokenizer, int(self.engine.config.vocab_size))
+        if err is not None:
+            raise oai.bad_request(f"Invalid {param}: the JSON schema cannot be enforced: {err}", param=param,
+                                  code="invalid_value")
+        return grammar
 
     async def resolve_model(self, model: str) -> str | None:
         """A base model name -> None; a known adapter id (in merged mode: only the merged one) ->
@@ -388,10 +489,11 @@ class LoraHandler:
     def _tokenize(self, kind: str, req) -> list[int]:
         tok = self.engine.tokenizer
         if kind == "chat":
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+            from handler.tools_prompt import render_messages
+
+            messages, kw = render_messages(tok, req)
             try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
             except Exception as e:
                 raise oai.bad_request(f"The messages cannot be formatted with the chat template: {e}",
                                       param="messages") from None
@@ -418,9 +520,7 @@ class LoraHandler:
 
     async def inference(self, greq: GenerationRequest) -> Generation:
         """Take the adapter (loading it if cold: only this request's adapter is waited for) and submit
-        the request to the engine. Raises OpenAIError when the adapter cannot be loaded."""
-        from handler.engine import SamplingParams
-
+        the request's n choices to the engine. Raises OpenAIError when the adapter cannot be loaded."""
         timer = RequestTimer(self.metrics, greq.tier)
         if self._uses_cache(greq):
             self._waiting_for_adapter += 1
@@ -434,13 +534,15 @@ class LoraHandler:
                 self._waiting_for_adapter -= 1
         gen = Generation(self, greq, timer)
         self._inflight[greq.request_id] = gen
+        added: list[str] = []
         try:
-            body = greq.body
-            params = SamplingParams(max_tokens=greq.max_tokens, temperature=float(body.temperature),
-                                    top_p=float(body.top_p), seed=body.seed, stop=tuple(greq.stop),
-                                    ignore_eos=bool(body.ignore_eos))
-            self.engine.add_request(greq.request_id, greq.prompt_ids, params, greq.adapter_id, gen._on_event)
+            for i, choice in enumerate(gen.choices):
+                self.engine.add_request(choice.engine_id, greq.prompt_ids, self.sampling_params(greq, i),
+                                        greq.adapter_id, gen._on_event)
+                added.append(choice.engine_id)
         except BaseException as e:  # a failed admission keeps no reference (the cache's nor the engine's)
+            for eid in added:
+                self.engine.cancel(eid)
             gen._done = True
             gen._release()
             from handler.engine import InvalidRequestError
@@ -454,13 +556,57 @@ class LoraHandler:
         timer.on_scheduled()
         return gen
 
+    @staticmethod
+    def sampling_params(greq: GenerationRequest, index: int = 0):
+        """The engine parameters of choice `index`: choice i of a seeded request is seeded seed + i,
+        so the n choices differ and each is reproducible."""
+        from handler.engine import SamplingParams
+
+        body = greq.body
+        seed = None if body.seed is None else int(body.seed) + index
+        if seed is not None and seed > oai.SEED_MAX:
+            seed -= 2**64  # still a seed torch accepts, and still distinct per choice
+        return SamplingParams(
+            max_tokens=greq.max_tokens, temperature=float(body.temperature), top_p=float(body.top_p), seed=seed,
+            stop=tuple(greq.stop), ignore_eos=bool(body.ignore_eos), top_k=int(body.top_k), min_p=float(body.min_p),
+            presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
+            repetition_penalty=float(body.repetition_penalty), logit_bias=body.logit_bias_ids(),
+            logprobs=body.n_logprobs, grammar=greq.grammar)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as logprobs report it (cached per token)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def choice_object(self, greq: GenerationRequest, i: int, text: str, finish_reason: str,
+                      entries: list | None) -> dict:
+        """One finished choice as OpenAI writes it (tool calls parsed out of chat text)."""
+        want_lp = greq.body.n_logprobs is not None
+        if greq.kind != "chat":
+            lp = oai.completion_logprobs(entries or [], self.token_text) if want_lp else None
+            return oai.completion_choice(i, text, finish_reason, lp)
+        lp = oai.chat_logprobs(entries or [], self.token_text) if want_lp else None
+        if greq.tool_mode is None:
+            return oai.chat_choice(i, text, finish_reason, logprobs=lp)
+        from handler.constrained import parse_tool_calls
+
+        content, calls = parse_tool_calls(text)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        tool_calls = oai.tool_calls_obj([(oai.new_call_id(), name, args) for name, args in calls])
+        return oai.chat_choice(i, content, finish_reason, tool_calls=tool_calls, logprobs=lp)
+
     async def postprocess(self, greq: GenerationRequest, gen: Generation) -> dict:
-        """Drain a generation into an OpenAI (chat) completion object."""
+        """Drain a generation into an OpenAI (chat) completion object with its n choices."""
         async for _ in gen:
             pass
+        choices = [self.choice_object(greq, i, c.text, c.finish_reason or "stop", c.logprobs)
+                   for i, c in enumerate(gen.choices)]
         build = oai.chat_completion if greq.kind == "chat" else oai.completion
-        return build(greq.response_id, greq.model, gen.text, gen.finish_reason or "stop",
-                     gen.prompt_tokens, gen.completion_tokens, created=greq.created)
+        return build(greq.response_id, greq.model, choices, gen.prompt_tokens, gen.completion_tokens,
+                     created=greq.created)
 
     async def handle(self, data: list[dict], context: Any = None, kind: str = "chat") -> list[dict]:
         """TorchServe's entry point: a batch of request bodies -> a list of responses (errors become

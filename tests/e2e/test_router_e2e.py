@@ -29,8 +29,9 @@ def test_errors_are_openai_errors(farm, tenant):
             model=sorted(tenant["aliases"])[0], messages=[{"role": "user", "content": "x"}]
         )
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=sorted(tenant["aliases"])[0], messages=[{"role": "user", "content": "x"}], n=2)
-    assert exc.value.body["message"]
+        client.chat.completions.create(model=sorted(tenant["aliases"])[0], messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"audio": {"voice": "alloy"}})
+    assert exc.value.body["code"] == "unsupported_parameter" and exc.value.body["param"] == "audio"
 
 
 def test_tenant_isolation(farm, tenant):

@@ -122,8 +122,9 @@ async def test_openai_errors(replica, client, service_archives):
     with pytest.raises(NotFoundError):
         await client.chat.completions.create(model="../../etc/passwd", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(BadRequestError) as e:
-        await client.chat.completions.create(model="dev-tiny", messages=[{"role": "user", "content": "x"}], n=2)
-    assert "n > 1" in e.value.body["message"] and e.value.body["param"] == "n"
+        await client.chat.completions.create(model="dev-tiny", messages=[{"role": "user", "content": "x"}],
+                                             extra_body={"audio": {"voice": "alloy"}})
+    assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == "audio"
     with pytest.raises(BadRequestError) as e:
         await client.chat.completions.create(model="dev-tiny", messages=[{"role": "user", "content": "x"}],
                                              max_tokens=replica.engine.max_context)

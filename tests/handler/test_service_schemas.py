@@ -13,12 +13,13 @@ def test_chat_request_defaults_and_validation():
     req = oai.parse_request(oai.ChatCompletionRequest, json.dumps(
         {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
          "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "temperature": None,
-         "max_completion_tokens": 7, "unknown_field": 1}).encode())
+         "max_completion_tokens": 7}).encode())
     assert req.messages[0].text() == "hi" and req.stop_list == ["\n"] and req.include_usage
     assert req.temperature == 1.0 and req.max_tokens == 7
     bad = [
         ({"model": "m", "messages": []}, "messages"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "unknown_field": 1}, "unknown_field"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
