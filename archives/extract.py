@@ -85,3 +85,56 @@ def extract_archive(
                 raise ArchiveError(f"cannot extract into {dest}: {e.strerror or e}") from None
             raise
     return manifest
+
+
+def extract_archive_one_pass(
+    path: str | os.PathLike,
+    dest_dir: str | os.PathLike,
+    trusted_keys: TrustedKeys,
+    *,
+    base_model_hash: str | None = None,
+    max_rank: int | None = None,
+    base_config: dict | None = None,
+) -> Manifest:
+    """As `extract_archive`, with the payload read once: the checks are the same and in the same
+    order (member allowlist, signature, sizes, sha256s, content, base hash, rank limit), but each
+    payload member is written to its temp file in `dest_dir` while it is hashed for verification.
+    Nothing is written before the signature and the sizes hold; the temp files become
+    `dest_dir/<member>` only after every check passed, and are removed otherwise. No fsync: for
+    caches that re-check checksums after a crash (the replica's disk tier), not for the archive
+    of record. Returns the manifest; raises an ArchiveError subclass."""
+    dest = Path(dest_dir)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ArchiveError(f"extraction target {dest} exists and is not a folder")
+    created = not dest.exists()
+    temps: dict[str, str] = {}
+    sinks = {}
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in PAYLOAD_NAMES:
+            fd, temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
+            sinks[name] = os.fdopen(fd, "wb")
+        with open_archive(path) as reader:
+            verified = verify_open_archive(
+                reader, trusted_keys, base_model_hash=base_model_hash, max_rank=max_rank,
+                base_config=base_config, sinks=sinks,
+            )  # fmt: skip
+        for f in sinks.values():
+            f.close()
+        for name, data in ((MANIFEST_NAME, verified.manifest_bytes), (SIGNATURE_NAME, verified.signature)):
+            fd, temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+        for name in MEMBER_NAMES:
+            os.replace(temps.pop(name), dest / name)
+    except BaseException as e:
+        for f in sinks.values():
+            f.close()
+        for tmp in temps.values():
+            Path(tmp).unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ArchiveError(f"cannot extract into {dest}: {e.strerror or e}") from None
+        raise
+    return verified.manifest

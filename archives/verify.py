@@ -16,6 +16,7 @@ import os
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -79,8 +80,13 @@ def verify_open_archive(
     max_rank: int | None = None,
     base_config: dict | None = None,
     progress: bool = False,
+    sinks: dict[str, BinaryIO] | None = None,
 ) -> VerifiedArchive:
-    """verify_archive on an already opened archive; also returns the verified manifest bytes."""
+    """verify_archive on an already opened archive; also returns the verified manifest bytes.
+
+    `sinks` (payload name -> writable file): the payload bytes are written there while they are
+    hashed (one pass for verify + extract). What lands in a sink is unverified until this returns:
+    the caller must discard the sinks when it raises."""
     keys = _trusted(trusted_keys)
     if SIGNATURE_NAME not in reader.members:
         raise SignatureError(f"archive {reader.path.name} is not signed (no {SIGNATURE_NAME})")
@@ -107,7 +113,8 @@ def verify_open_archive(
             raise ChecksumError(f"{name} is {size} bytes but the signed manifest says {entry.size}")
         try:
             with reader.open_member(name) as f:
-                digest = copy_and_hash(f, None, size, desc=f"verify {name}", progress=progress)
+                sink = (sinks or {}).get(name)
+                digest = copy_and_hash(f, sink, size, desc=f"verify {name}", progress=progress)
         except (EOFError, OSError, tarfile.TarError) as e:
             raise CorruptArchiveError(f"member {name!r} is truncated: {e}") from None
         if digest != entry.sha256:

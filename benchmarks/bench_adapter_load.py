@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from handler.cache import AdapterCache, CatalogSource, module_shapes
-from handler.lora import ModelLoRA
+from handler.lora import ModelLoRA, SlotImage
 from handler.model import ModelConfig
 
 RANK = 16
@@ -61,10 +61,16 @@ class StackEngine:
     def free_slots(self, rank: int) -> int:
         return len(self._free[self.pool_rank_for(rank)])
 
+    def prepare_adapter(self, weights, *, rank, alpha, target_modules=None, pin_memory=False):
+        return self.lora.build_image(weights, rank, alpha, target_modules, pin_memory=pin_memory)
+
     def mount_adapter(self, adapter_id, weights, *, rank, alpha, target_modules=None):
         pool = self.pool_rank_for(rank)
         slot = self._free[pool].pop()
-        self.lora.set_adapter(slot, weights, rank, alpha, target_modules)
+        if isinstance(weights, SlotImage):
+            self.lora.write_image(slot, weights)
+        else:
+            self.lora.set_adapter(slot, weights, rank, alpha, target_modules)
         self._mounted[adapter_id] = (slot, pool)
         return slot
 

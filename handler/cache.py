@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from handler.lora import SlotImage
 from handler.errors import SAFE_ID_RE, AdapterLoadError, AdapterNotFoundError, check_adapter_id, error_code
 from handler.metrics import ReplicaMetrics
 from handler.slots import SlotCounters, SlotPolicy
@@ -58,6 +59,8 @@ CacheCounters = SlotCounters  # the counters live with the policy (handler/slots
 VERIFIED_STAMP = ".lorafarm-verified.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
+IMAGE_FILE = "slot-image.safetensors"  # the adapter in the slot layout (written after verification)
+_IMAGE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -71,10 +74,11 @@ _KEY_RE = re.compile(
 
 @dataclass
 class LoadedAdapter:
-    """A verified adapter in host RAM: PEFT tensor names -> tensors."""
+    """A verified adapter in host RAM: a `handler.lora.SlotImage` (the slot layout, pinned on CUDA)
+    when the engine offers `prepare_adapter`, else PEFT tensor names -> tensors."""
 
     adapter_id: str
-    weights: dict[str, torch.Tensor]
+    weights: Any
     rank: int
     alpha: float
     target_modules: list[str]
@@ -139,6 +143,40 @@ def check_adapter_tensors(adapter_id: str, weights: dict[str, torch.Tensor], *, 
             bad(f"layer {layer} {module}: lora_A and lora_B must both be present")
 
 
+def save_slot_image(image: SlotImage, path: Path) -> None:
+    """Write a SlotImage as safetensors (tmp + rename, so a torn file is never adopted)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".part")
+    save_file(image.tensors, str(tmp), metadata={"pool_rank": str(image.pool_rank)})
+    tmp.replace(path)
+
+
+def read_slot_image(path: Path, *, pin_memory: bool = False) -> SlotImage:
+    """One read: the file's tensor bytes go straight into one (pinned) host buffer; every stack is
+    a view of it."""
+    from archives.safetensors_header import read_header
+
+    with open(path, "rb", buffering=0) as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        header = read_header(f, size)
+        f.seek(header.data_start)
+        buf = torch.empty(size - header.data_start, dtype=torch.uint8, pin_memory=pin_memory)
+        view, got = memoryview(buf.numpy()), 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path}: truncated")
+            got += n
+    tensors, dtype = {}, None
+    for name, info in header.tensors.items():
+        dtype = _IMAGE_DTYPES[info.dtype]
+        lo, hi = info.start - header.data_start, info.end - header.data_start
+        tensors[name] = buf[lo:hi].view(dtype).view(info.shape)
+    return SlotImage(int(header.metadata["pool_rank"]), dtype, tensors)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -196,6 +234,7 @@ class AdapterCache:
         self._slot_freed: asyncio.Condition | None = None
         self._draining: dict[str, asyncio.Future] = {}
         self._unverified: set[str] = set()  # adopted from a previous run: checksums checked on first read
+        self._images: set[str] = set()  # slot-image files this run wrote (an adopted one is rebuilt)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -237,6 +276,7 @@ class AdapterCache:
             except Exception:
                 ok = False
             if ok:
+                (d / IMAGE_FILE).unlink(missing_ok=True)  # rebuilt from the re-checked originals
                 out.append((d.name, _dir_bytes(d), d.stat().st_mtime))
             else:
                 log.warning("removing unverifiable adapter folder %s", d)
@@ -562,7 +602,9 @@ class AdapterCache:
         return await asyncio.shield(task)
 
     async def _disk_to_ram(self, adapter_id: str) -> LoadedAdapter:
-        await self._ensure_disk(adapter_id)
+        fresh = await self._ensure_disk(adapter_id)
+        if fresh is not None:  # just fetched: verified, built and written; no read back
+            return fresh
         loop = asyncio.get_running_loop()
         self.policy.pin_disk(adapter_id)
         try:
@@ -573,7 +615,9 @@ class AdapterCache:
                     log.warning("adapter %s changed on disk since it was verified: fetching it again", adapter_id)
                     self.policy.unpin_disk(adapter_id)
                     self._drop_disk(adapter_id)
-                    await self._ensure_disk(adapter_id)
+                    fresh = await self._ensure_disk(adapter_id)
+                    if fresh is not None:
+                        return fresh
                     self.policy.pin_disk(adapter_id)
             la = await loop.run_in_executor(self._io, self._read_disk, adapter_id)
         finally:
@@ -581,48 +625,54 @@ class AdapterCache:
         self.policy.touch(adapter_id, "disk")
         return la
 
-    async def _ensure_disk(self, adapter_id: str) -> None:
+    async def _ensure_disk(self, adapter_id: str) -> LoadedAdapter | None:
+        """On disk already: None. Else fetch, verify, extract and build its slot image (the verified
+        folder then holds the image file) and return the built adapter."""
         if self.policy.nbytes("disk", adapter_id) is not None:
             self.policy.touch(adapter_id, "disk")
-            return
+            return None
         if not await self.source.exists(adapter_id):
             raise AdapterNotFoundError(adapter_id)
         loop = asyncio.get_running_loop()
         tmp = self.tmp_dir / f"{adapter_id}.{time.monotonic_ns()}"
         tmp.mkdir(parents=True)
         try:
-            lar = tmp / "archive.lar"
-            await self.source.fetch(adapter_id, lar)
-            manifest = await loop.run_in_executor(self._io, self._extract, adapter_id, lar, tmp / "x")
+            # a local store's own file is read in place (no copy); a remote one lands in tmp
+            lar = await self.source.fetch(adapter_id, tmp / "archive.lar") or tmp / "archive.lar"
+            manifest, la = await loop.run_in_executor(self._io, self._extract, adapter_id, lar, tmp / "x")
             final = self.adapters_dir / adapter_id
             if final.exists():
                 shutil.rmtree(final, ignore_errors=True)
             (tmp / "x").rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if (final / IMAGE_FILE).exists():
+            self._images.add(adapter_id)
         nbytes = _dir_bytes(final)
         victims = self.policy.put("disk", adapter_id, nbytes)
         log.info("fetched %s (%s bytes, version %s)", adapter_id, nbytes, manifest.get("version"))
         self._disk_evicted(victims or [])
+        return la
 
-    def _extract(self, adapter_id: str, lar: Path, dest: Path) -> dict:
-        """Verify (signature, checksums, base hash, rank limit) then extract; stamp the folder."""
-        from archives.extract import extract_archive
+    def _extract(self, adapter_id: str, lar: Path, dest: Path) -> tuple[dict, LoadedAdapter]:
+        """Verify (signature, checksums, base hash, rank limit) then extract; stamp the folder; check
+        the tensors and build the slot image into it."""
+        from archives.extract import extract_archive_one_pass
 
         if not self.trusted_keys:
             from archives.errors import SignatureError
 
             raise SignatureError("no trusted public key configured (--trust): refusing unsigned trust")
         dest.mkdir(parents=True, exist_ok=True)
-        manifest = extract_archive(lar, dest, self.trusted_keys, base_model_hash=self.base_model_hash,
-                                   max_rank=self.rank_limit)
+        manifest = extract_archive_one_pass(lar, dest, self.trusted_keys, base_model_hash=self.base_model_hash,
+                                            max_rank=self.rank_limit)
         man = manifest.model_dump(mode="json") if hasattr(manifest, "model_dump") else dict(manifest)
         if man.get("adapter_id") != adapter_id:
             raise AdapterLoadError(adapter_id, "invalid_adapter",
                                    f"the archive is signed for adapter {man.get('adapter_id')!r}, not {adapter_id!r}")
         stamp = {"adapter_id": adapter_id, "manifest": man, "verified_at": time.time()}
         (dest / VERIFIED_STAMP).write_text(json.dumps(stamp))
-        return man
+        return man, self._build(adapter_id, dest, man)
 
     def _recheck_disk(self, adapter_id: str) -> bool:
         """The files of an adopted folder still have their verified manifest's checksums."""
@@ -636,12 +686,24 @@ class AdapterCache:
             return False
 
     def _read_disk(self, adapter_id: str) -> LoadedAdapter:
-        """Read a verified folder into RAM and check tensors against the base's shapes."""
-        from safetensors.torch import load_file
-
+        """A verified folder into RAM: its slot image in one read when this run wrote it, else the
+        PEFT files read, checked and laid out again (and the image written for next time)."""
         d = self.adapters_dir / adapter_id
-        stamp = json.loads((d / VERIFIED_STAMP).read_text())
-        man = stamp["manifest"]
+        man = json.loads((d / VERIFIED_STAMP).read_text())["manifest"]
+        if adapter_id in self._images and (d / IMAGE_FILE).exists():
+            self._check_manifest(adapter_id, man)
+            image = read_slot_image(d / IMAGE_FILE, pin_memory=self.pin_memory)
+            rank = int(man["rank"])
+            return LoadedAdapter(adapter_id, image, rank, float(man.get("alpha", rank)),
+                                 list(man.get("target_modules") or []), image.nbytes, man)
+        la = self._build(adapter_id, d, man)
+        if (d / IMAGE_FILE).exists():  # the folder grew by the image: account for it
+            self._images.add(adapter_id)
+            if self.policy.drop("disk", adapter_id) is not None:
+                self._disk_evicted(self.policy.put("disk", adapter_id, _dir_bytes(d)) or [])
+        return la
+
+    def _check_manifest(self, adapter_id: str, man: dict) -> None:
         rank = int(man["rank"])
         if rank > self.rank_limit:
             raise AdapterLoadError(adapter_id, "rank_limit", f"rank {rank} > the replica's limit {self.rank_limit}")
@@ -649,6 +711,14 @@ class AdapterCache:
             raise AdapterLoadError(adapter_id, "base_mismatch",
                                    f"built for base {man.get('base_model_hash')}, this replica serves "
                                    f"{self.base_model_hash}")
+
+    def _build(self, adapter_id: str, d: Path, man: dict) -> LoadedAdapter:
+        """Read the verified PEFT files of folder `d`, check the tensors against the base's shapes and
+        lay them out for a slot (written to `d/IMAGE_FILE` so the next disk read is one read)."""
+        from safetensors.torch import load_file
+
+        self._check_manifest(adapter_id, man)
+        rank = int(man["rank"])
         cfg = json.loads((d / CONFIG_FILE).read_text())
         for unsupported in ("use_dora", "use_rslora"):
             if cfg.get(unsupported):
@@ -660,13 +730,19 @@ class AdapterCache:
         target_modules = list(man.get("target_modules") or cfg.get("target_modules") or [])
         check_adapter_tensors(adapter_id, weights, rank=rank, target_modules=target_modules,
                               config=self.base_config)
+        alpha = float(man.get("alpha", cfg.get("lora_alpha", rank)))
+        prepare = getattr(self.engine, "prepare_adapter", None)
+        if prepare is not None:  # the slot layout: a mount is then one copy per stack
+            image = prepare(weights, rank=rank, alpha=alpha, target_modules=target_modules,
+                            pin_memory=self.pin_memory)
+            save_slot_image(image, d / IMAGE_FILE)
+            return LoadedAdapter(adapter_id, image, rank, alpha, target_modules, image.nbytes, man)
         if self.dtype is not None:
             weights = {k: v.to(self.dtype) for k, v in weights.items()}
         if self.pin_memory:
             weights = {k: v.pin_memory() for k, v in weights.items()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        return LoadedAdapter(adapter_id, weights, rank, float(man.get("alpha", cfg.get("lora_alpha", rank))),
-                             target_modules, nbytes, man)
+        return LoadedAdapter(adapter_id, weights, rank, alpha, target_modules, nbytes, man)
 
     # -- RAM / disk bookkeeping -------------------------------------------------------------
 
@@ -702,6 +778,7 @@ class AdapterCache:
 
     def _remove_disk_folder(self, adapter_id: str) -> None:
         self._unverified.discard(adapter_id)
+        self._images.discard(adapter_id)
         shutil.rmtree(self.adapters_dir / adapter_id, ignore_errors=True)
 
     def _update_gauges(self) -> None:

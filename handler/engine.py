@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from handler.kvcache import KVCache
-from handler.lora import InvalidAdapterWeightsError, ModelLoRA, read_peft_adapter
+from handler.lora import InvalidAdapterWeightsError, ModelLoRA, SlotImage, read_peft_adapter
 from handler.merge import MergedAdapter, merge_adapter
 from handler.model import Runner, build_step_batch
 from handler.sampling import RowState, SamplingParams, sample
@@ -261,6 +261,7 @@ class Engine:
         self._step_lock = threading.Lock()
         self._adapters: dict[str, _Mounted] = {}
         self._loading: dict[str, threading.Event] = {}
+        self._copy_stream = None  # CUDA: the side stream adapter mounts copy on
         self._free: dict[int, list[int]] = {}
         if self.lora is not None:
             for i, (r, _) in enumerate(self.lora.pools):
@@ -313,10 +314,22 @@ class Engine:
             m = self._adapters.get(adapter_id)
             return m.refs if m else 0
 
+    def prepare_adapter(self, weights: Mapping[str, torch.Tensor], *, rank: int, alpha: float,
+                        target_modules: Iterable[str] | None = None, use_rslora: bool = False,
+                        pin_memory: bool = False) -> SlotImage:
+        """Validate an adapter and lay it out for a slot of its rank pool, in host memory (the RAM
+        tier keeps this form, so `mount_adapter(id, image, ...)` is one copy per stack)."""
+        self.pool_rank_for(rank)
+        try:
+            return self.lora.build_image(weights, int(rank), float(alpha), target_modules, use_rslora,
+                                         pin_memory=pin_memory)
+        except InvalidAdapterWeightsError as e:
+            raise InvalidAdapterError(str(e)) from None
+
     def mount_adapter(
         self,
         adapter_id: str,
-        weights: Mapping[str, torch.Tensor] | str | Path,
+        weights: Mapping[str, torch.Tensor] | SlotImage | str | Path,
         *,
         rank: int,
         alpha: float,
@@ -351,9 +364,7 @@ class Engine:
                     break
             pending.wait()  # another thread is mounting the same id
         try:
-            self.lora.set_adapter(slot, weights, int(rank), float(alpha), target_modules, use_rslora)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            self._write_slot(slot, weights, int(rank), float(alpha), target_modules, use_rslora)
         except BaseException as e:
             with self._lock:
                 self.lora.reset_adapter(slot)
@@ -369,6 +380,29 @@ class Engine:
             done.set()
         log.info("mounted adapter %s (rank %d) in slot %d of the rank-%d pool", adapter_id, rank, slot, pool_rank)
         return slot
+
+    def _write_slot(self, slot: int, weights, rank: int, alpha: float, target_modules, use_rslora: bool) -> None:
+        """Copy into a slot no running request reads. On CUDA the copies run on a side stream that
+        first waits (on the GPU) for the work already queued on the compute stream, which may still
+        read the slot's previous adapter; this thread then waits for the copies' event only. The
+        compute stream is never synchronized, so decode steps go on meanwhile."""
+        def write():
+            if isinstance(weights, SlotImage):
+                self.lora.write_image(slot, weights)
+            else:
+                self.lora.set_adapter(slot, weights, rank, alpha, target_modules, use_rslora)
+
+        if self.device.type != "cuda":
+            write()
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            write()
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        done.synchronize()
 
     def unmount_adapter(self, adapter_id: str) -> None:
         """Free the adapter's slot. AdapterInUseError while requests use it; UnknownAdapterError if absent."""

@@ -274,6 +274,23 @@ class MultiLoRALinear:
         for B in self.B[pool]:
             B[slot].zero_()
 
+    def write_slot(self, pool: int, slot: int, a: torch.Tensor | None, bs: list[torch.Tensor | None]) -> None:
+        """Copy prepared stacks (a `SlotImage` entry) into (pool, slot): `a` [n_mod * r_p, k] and
+        `bs[m]` [r_p, d_m] already padded, transposed, scaled and in the stack dtype, so each is one
+        copy; None zeroes that stack (the only rows the adapter does not overwrite). Non-blocking
+        from pinned host memory on CUDA (the caller orders the stream)."""
+        if slot == 0:
+            raise ValueError("slot 0 is the no-adapter slot")
+        if a is None:
+            self.A[pool][slot].zero_()
+        else:
+            self.A[pool][slot].copy_(a, non_blocking=True)
+        for B, b in zip(self.B[pool], bs):
+            if b is None:
+                B[slot].zero_()
+            else:
+                B[slot].copy_(b, non_blocking=True)
+
     def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y += the adapter deltas of every row (in place; y is the group's fused base output)."""
         n_mod = len(self.modules)
@@ -370,6 +387,30 @@ def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
+@dataclass
+class SlotImage:
+    """An adapter already in the slot layout of one rank pool, ready for `ModelLoRA.write_image`.
+
+    tensors["{layer}.{group}.A"]    [n_mod * r_p, k]: module m's A at rows m*r_p .. m*r_p + r, zeros past r
+    tensors["{layer}.{group}.B{m}"] [r_p, d_m]:       (scale * B_m).T, zero rows past r
+    in the stack dtype (pinned host memory on CUDA). A group (or a module's B) the adapter does not
+    adapt has no entry: mounting zeroes those stacks. Built once when the adapter enters host RAM,
+    so a mount is one copy per stack: no padding, transposing, scaling or casting on the way.
+    """
+
+    pool_rank: int
+    dtype: torch.dtype
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def image_key(layer: int, group: str, which: str) -> str:
+    return f"{layer}.{group}.{which}"
+
+
 class ModelLoRA:
     """All multi-LoRA layers of a runner, the rank pools, and slot numbering.
 
@@ -443,8 +484,24 @@ class ModelLoRA:
         use_rslora: bool = False,
     ) -> None:
         """Validate PEFT-named tensors and write them into `slot` (the pool must fit `rank`)."""
-        pool, local = self.pool_of(slot)
-        r_p = self.pools[pool][0]
+        pool, _ = self.pool_of(slot)
+        image = self.build_image(weights, rank, alpha, target_modules, use_rslora, pool_rank=self.pools[pool][0])
+        self.write_image(slot, image)
+
+    def build_image(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        rank: int,
+        alpha: float,
+        target_modules: Iterable[str] | None = None,
+        use_rslora: bool = False,
+        *,
+        pool_rank: int | None = None,
+        pin_memory: bool = False,
+    ) -> SlotImage:
+        """Validate PEFT-named tensors and lay them out for a slot of the pool that fits `rank` (or of
+        `pool_rank`): see `SlotImage`. Host memory (pinned with `pin_memory`); nothing is mounted."""
+        r_p = self.pool_rank_for(rank) if pool_rank is None else int(pool_rank)
         parsed = parse_peft_weights(weights, self.config)
         if not parsed:
             raise InvalidAdapterWeightsError("the adapter holds no LoRA tensors")
@@ -459,23 +516,46 @@ class ModelLoRA:
                 raise InvalidAdapterWeightsError(f"layer {layer} {module}: rank {r} exceeds the declared rank {rank}")
             if targets is not None and module not in targets:
                 raise InvalidAdapterWeightsError(f"tensors for {module}, which is not in target_modules")
+        tensors: dict[str, torch.Tensor] = {}
+
+        def empty(shape, full: bool) -> torch.Tensor:
+            make = torch.empty if full else torch.zeros
+            return make(shape, dtype=self.dtype, pin_memory=pin_memory)
+
         for li, groups in enumerate(self.layers):
-            for layer in groups.values():
-                a, b, sc = {}, {}, {}
-                for m in layer.modules:
-                    ab = parsed.get((li, m))
-                    if ab is None:
-                        continue
+            for gname, layer in groups.items():
+                present = [(m, parsed[(li, name)]) for m, name in enumerate(layer.modules) if (li, name) in parsed]
+                if not present:
+                    continue
+                full = len(present) == len(layer.modules) and all(ab["A"].shape[0] == r_p for _, ab in present)
+                A = empty((len(layer.modules) * r_p, layer.k), full)
+                for m, ab in present:
                     r = ab["A"].shape[0]
-                    a[m] = ab["A"].to(self.device, self.dtype)
-                    b[m] = ab["B"].to(self.device, torch.float32)
-                    sc[m] = lora_scale(alpha, r, use_rslora)
-                layer.set_lora(pool, local, a, b, sc)
+                    A[m * r_p : m * r_p + r].copy_(ab["A"])
+                    B = empty((r_p, layer.d[m]), r == r_p)
+                    B[:r].copy_((ab["B"].to(torch.float32) * float(lora_scale(alpha, r, use_rslora))).T)
+                    tensors[image_key(li, gname, f"B{m}")] = B
+                tensors[image_key(li, gname, "A")] = A
                 if not all(  # A or scale * B past the slot dtype's range (65,504 in float16)
-                    bool(torch.isfinite(t[local]).all()) for t in [layer.A[pool], *layer.B[pool]]
+                    bool(torch.isfinite(t).all())
+                    for t in [A, *(tensors[image_key(li, gname, f"B{m}")] for m, _ in present)]
                 ):
-                    self.reset_adapter(slot)
                     raise InvalidAdapterWeightsError(f"scaled weights overflow {self.dtype} (layer {li})")
+        return SlotImage(r_p, self.dtype, tensors)
+
+    def write_image(self, slot: int, image: SlotImage) -> None:
+        """Mount a `SlotImage` into `slot`: one copy per stack, zeroing only the stacks it has no
+        entry for (every row of an entry is written, padding included)."""
+        pool, local = self.pool_of(slot)
+        if image.pool_rank != self.pools[pool][0] or image.dtype != self.dtype:
+            raise InvalidAdapterWeightsError(
+                f"image for a rank-{image.pool_rank} {image.dtype} slot, slot {slot} is rank "
+                f"{self.pools[pool][0]} {self.dtype}")
+        t = image.tensors
+        for li, groups in enumerate(self.layers):
+            for gname, layer in groups.items():
+                layer.write_slot(pool, local, t.get(image_key(li, gname, "A")),
+                                 [t.get(image_key(li, gname, f"B{m}")) for m in range(len(layer.modules))])
 
     def reset_adapter(self, slot: int) -> None:
         pool, local = self.pool_of(slot)

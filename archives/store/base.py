@@ -77,6 +77,11 @@ class ObjectStore(abc.ABC):
         """The key of `uri` when it lies inside this store, else None (the registry refuses
         weights_uri values outside its store with this)."""
 
+    def local_path(self, key: str) -> Path | None:
+        """The object's own file when this store is a local folder (read it in place, no copy);
+        None for a remote store."""
+        return None
+
     async def close(self) -> None:
         """Release connections; the store can not be used afterwards."""
         return None  # nothing to release by default

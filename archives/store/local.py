@@ -32,6 +32,10 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
+    def local_path(self, key: str) -> Path | None:
+        path = self._path(key)
+        return path if path.is_file() else None
+
     def _put(self, key: str, src: Path) -> None:
         dest = self._path(key)
         try:

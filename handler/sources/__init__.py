@@ -21,8 +21,9 @@ class AdapterSource(Protocol):
 
     async def exists(self, adapter_id: str) -> bool: ...
 
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
-        """Write the adapter's signed archive to `dest` (unverified: the cache verifies it)."""
+    async def fetch(self, adapter_id: str, dest: Path) -> Path | None:
+        """Make the adapter's signed archive readable: write it to `dest`, or return the path of a
+        local file that already holds it (unverified either way: the cache verifies it)."""
 
     async def close(self) -> None: ...
 
@@ -33,7 +34,7 @@ class NoSource:
     async def exists(self, adapter_id: str) -> bool:
         return False
 
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
+    async def fetch(self, adapter_id: str, dest: Path) -> Path | None:
         raise AdapterNotFoundError(adapter_id)
 
     async def close(self) -> None:

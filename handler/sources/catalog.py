@@ -29,10 +29,10 @@ class CatalogSource(StoreFetch):
     async def exists(self, adapter_id: str) -> bool:
         return adapter_id in self.catalog
 
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
+    async def fetch(self, adapter_id: str, dest: Path) -> Path:
         if adapter_id not in self.catalog:
             raise AdapterNotFoundError(adapter_id)
-        await self.fetch_uri(adapter_id, self.catalog[adapter_id], dest)
+        return await self.fetch_uri(adapter_id, self.catalog[adapter_id], dest)
 
     async def close(self) -> None:
         if self.store is not None:

@@ -53,10 +53,10 @@ class RegistrySource(StoreFetch):
         ad = await self._describe(adapter_id)
         return ad is not None and ad.get("status", "active") not in ("deleted", "disabled")
 
-    async def fetch(self, adapter_id: str, dest: Path) -> None:
+    async def fetch(self, adapter_id: str, dest: Path) -> Path:
         if self.store is None:
             await self.client.download_archive(adapter_id, dest)
-            return
+            return dest
         uri = self._uris.get(adapter_id)
         if uri is None:
             ad = await self._describe(adapter_id)
@@ -65,7 +65,7 @@ class RegistrySource(StoreFetch):
             uri = ad.get("weights_uri")
         if not uri:
             raise AdapterLoadError(adapter_id, "store_error", "the registry has no weights_uri for it")
-        await self.fetch_uri(adapter_id, uri, dest)
+        return await self.fetch_uri(adapter_id, uri, dest)
 
     async def close(self) -> None:
         if self._owns_client:

@@ -11,10 +11,16 @@ class StoreFetch:
     def __init__(self, store):
         self.store = store
 
-    async def fetch_uri(self, adapter_id: str, uri: str, dest: Path) -> None:
+    async def fetch_uri(self, adapter_id: str, uri: str, dest: Path) -> Path:
+        """The archive's path: the store's own file when the store is a local folder (read in place,
+        no second full copy; the cache verifies what it reads), else `dest` after a download."""
         from archives.errors import StoreError
 
         key = self.store.key_for(uri)
         if key is None:
             raise StoreError(f"weights_uri {uri!r} of {adapter_id} lies outside the configured object store")
+        local = self.store.local_path(key) if hasattr(self.store, "local_path") else None
+        if local is not None:
+            return local
         await self.store.get_file(key, dest)
+        return dest

@@ -42,7 +42,7 @@ class CountingSource(CatalogSource):
         self.fetches.append(adapter_id)
         if self.delay:
             await asyncio.sleep(self.delay)
-        await super().fetch(adapter_id, dest)
+        return await super().fetch(adapter_id, dest)
 
 
 async def make_cache(engine, arch, tmp_path, *, delay=0.0, **kw):
@@ -163,11 +163,19 @@ async def test_unload_drains_first(engine, service_archives, tmp_path):
 async def test_ram_and_disk_tiers_are_byte_bounded(engine, service_archives, tmp_path):
     arch = service_archives
     ids = [arch.good[n] for n in ("c0000", "c0003", "c0006")]  # rank 8, ~120-300 kB each
-    cache, _ = await make_cache(engine, arch, tmp_path, ram_bytes=350_000, disk_bytes=500_000)
+    sizer, _ = await make_cache(engine, arch, tmp_path / "sizes")
+    for aid in ids:
+        await sizer.prefetch(aid)
+    ram = {a: sizer.policy.nbytes("ram", a) for a in ids}  # slot images, padded to the pool rank
+    disk = {a: sizer.policy.nbytes("disk", a) for a in ids}
+    await sizer.close()
+    ram_bytes = ram[ids[1]] + ram[ids[2]] - 1  # the last two never fit together
+    disk_bytes = disk[ids[1]] + disk[ids[2]]  # the first one has to go
+    cache, _ = await make_cache(engine, arch, tmp_path, ram_bytes=ram_bytes, disk_bytes=disk_bytes)
     try:
         for aid in ids:
             await cache.prefetch(aid)
-        assert cache._ram_used <= 350_000 and cache._disk_used <= 500_000
+        assert cache._ram_used <= ram_bytes and cache._disk_used <= disk_bytes
         assert cache.ram_adapters()[-1] == ids[-1]  # most recent kept
         assert cache.counters.ram_evictions >= 1
         assert cache.counters.disk_evictions >= 1
