@@ -44,7 +44,7 @@ import torch
 from handler.lora import SlotImage
 from handler.errors import SAFE_ID_RE, AdapterLoadError, AdapterNotFoundError, check_adapter_id, error_code
 from handler.metrics import ReplicaMetrics
-from handler.slots import SlotCounters, SlotPolicy
+from handler.slots import LoadTimes, SlotCounters, SlotPolicy
 from handler.sources import AdapterSource, CatalogSource, NoSource, RegistrySource
 
 __all__ = [
@@ -223,6 +223,9 @@ class AdapterCache:
         pools = {int(r): int(n) for r, n in (getattr(lora, "pools", None) or [])}
         self.policy = SlotPolicy(pools, ram_bytes=self.ram_bytes, disk_bytes=self.disk_bytes)
         self.counters = self.policy.counters
+        self.load_times = LoadTimes()
+        self.prefetch_hits = 0
+        self._prefetched: set[str] = set()  # brought in by prefetch/load, not yet asked for
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="lorafarm-io")
         self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount")
         # tiers: the policy keeps what is where (and the LRU orders); this keeps the RAM tensors
@@ -310,6 +313,24 @@ class AdapterCache:
     def is_local(self, adapter_id: str) -> bool:
         return self.policy.tier_of(adapter_id) != "remote"
 
+    def held(self) -> dict[str, tuple[str, float]]:
+        """Every adapter held here (device, RAM, disk) -> (tier, expected load ms from that tier)."""
+        out: dict[str, tuple[str, float]] = {}
+        for aid in self.policy.resident("disk"):
+            out[aid] = ("disk", self.load_times.expected_ms("disk", self._image_bytes(aid)))
+        for aid in self.policy.resident("ram"):
+            out[aid] = ("ram", self.load_times.expected_ms("ram", self.policy.nbytes("ram", aid)))
+        for aid in self.policy.resident("gpu"):
+            out[aid] = ("gpu", 0.0)
+        return out
+
+    def _image_bytes(self, adapter_id: str) -> int | None:
+        la = self._ram.get(adapter_id)
+        if la is not None:
+            return la.nbytes
+        n = self.policy.nbytes("disk", adapter_id)
+        return n // 2 if n and adapter_id in self._images else n  # the folder holds the image + originals
+
     @property
     def _ram_used(self) -> int:
         return self.policy.used_bytes("ram")
@@ -338,6 +359,7 @@ class AdapterCache:
             "evictions": c.evictions, "evictions_in_use": c.evictions_in_use,
             "ram_evictions": c.ram_evictions, "disk_evictions": c.disk_evictions,
             "slot_hits": c.slot_hits, "slot_misses": c.slot_misses, "slot_waits": c.slot_waits,
+            "prefetch_hits": self.prefetch_hits, "load_ms": self.load_times.averages_ms(),
             "loads_per_min": m.loads_per_min() if m else 0.0,
             "evictions_per_min": m.evictions_per_min() if m else 0.0,
             "refs": {a: self.refcount(a) for a in self.gpu_adapters() if self.refcount(a)},
@@ -359,10 +381,10 @@ class AdapterCache:
                 continue
             if self.policy.take_ref(adapter_id):
                 if not counted:
-                    self._count_hit(tier)
+                    self._count_hit(adapter_id, tier)
                 return tier
             if not counted:
-                self._count_hit(tier)
+                self._count_hit(adapter_id, tier)
                 counted = True
             await self._ensure_mounted(adapter_id)
 
@@ -374,8 +396,13 @@ class AdapterCache:
         if self.policy.release(adapter_id):
             self._notify_slot_freed()
 
-    def _count_hit(self, tier: str) -> None:
+    def _count_hit(self, adapter_id: str, tier: str) -> None:
         self.policy.count_request(tier)
+        if adapter_id in self._prefetched:
+            self._prefetched.discard(adapter_id)
+            self.prefetch_hits += 1
+            if self.metrics:
+                self.metrics.prefetch_hits.labels(tier=tier).inc()
         if tier == "gpu":
             if self.metrics:
                 self.metrics.adapter_slot_hits.inc()
@@ -407,6 +434,8 @@ class AdapterCache:
                 continue
             await self._ensure_mounted(adapter_id)
         self.policy.touch(adapter_id)
+        if tier != "gpu":
+            self._prefetched.add(adapter_id)
         return tier
 
     async def prefetch(self, adapter_id: str, *, to_ram: bool = True) -> str:
@@ -420,6 +449,7 @@ class AdapterCache:
                     if self.policy.slot(adapter_id) is not None:
                         return tier
                     self._put_ram(la)
+                    self._prefetched.add(adapter_id)
             else:
                 await self._ensure_disk(adapter_id)
         except (AdapterLoadError, AdapterNotFoundError, asyncio.CancelledError):
@@ -504,7 +534,7 @@ class AdapterCache:
                 self.policy.touch(adapter_id, "ram")
             else:
                 la = await self._ensure_ram(adapter_id)
-            await self._mount(la)
+            waited = await self._mount(la)
         except BaseException as e:
             self.policy.count_load(src_tier, ok=False)
             if self.metrics:
@@ -519,21 +549,26 @@ class AdapterCache:
             raise err from e
         else:
             self.policy.count_load(src_tier)
+            seconds = time.perf_counter() - t0
+            self.load_times.observe("ram" if src_tier == "gpu" else src_tier, seconds - waited, la.nbytes)
             if self.metrics:
-                self.metrics.record_load(src_tier, time.perf_counter() - t0, ok=True)
+                self.metrics.record_load(src_tier, seconds, ok=True)
         finally:
             self._update_gauges()
 
-    async def _mount(self, la: LoadedAdapter) -> None:
+    async def _mount(self, la: LoadedAdapter) -> float:
         """Take a slot in the adapter's rank pool (evicting the LRU idle adapter of that pool, or
-        waiting for one to become idle) and mount it there."""
+        waiting for one to become idle) and mount it there. Returns the seconds spent waiting for a
+        busy pool (not part of the load's own cost)."""
         pool = self.engine.pool_rank_for(la.rank)
         lock = self._pool_locks.setdefault(pool, asyncio.Lock())
+        t_wait = time.perf_counter()
         async with lock:
             waited = False
             while True:
                 step, victim = self.policy.plan_mount(la.adapter_id, pool)
                 if step == "free":
+                    wait_s = time.perf_counter() - t_wait
                     break
                 if step == "evict":
                     try:
@@ -561,8 +596,11 @@ class AdapterCache:
                 self.policy.cancel_mount(la.adapter_id)
                 raise
             self.policy.on_mounted(la.adapter_id, pool)
+            if self.metrics:
+                self.metrics.bytes_moved.labels(tier="ram").inc(la.nbytes)
             if la.adapter_id not in self._ram:
                 self._put_ram(la)
+        return wait_s
 
     async def _evict_slot(self, adapter_id: str) -> None:
         slot = self.policy.evict(adapter_id)  # gone from the table first: no new reference can land
@@ -620,6 +658,8 @@ class AdapterCache:
                         return fresh
                     self.policy.pin_disk(adapter_id)
             la = await loop.run_in_executor(self._io, self._read_disk, adapter_id)
+            if self.metrics:
+                self.metrics.bytes_moved.labels(tier="disk").inc(la.nbytes)
         finally:
             self.policy.unpin_disk(adapter_id)
         self.policy.touch(adapter_id, "disk")
@@ -639,6 +679,7 @@ class AdapterCache:
         try:
             # a local store's own file is read in place (no copy); a remote one lands in tmp
             lar = await self.source.fetch(adapter_id, tmp / "archive.lar") or tmp / "archive.lar"
+            archive_bytes = lar.stat().st_size
             manifest, la = await loop.run_in_executor(self._io, self._extract, adapter_id, lar, tmp / "x")
             final = self.adapters_dir / adapter_id
             if final.exists():
@@ -648,6 +689,8 @@ class AdapterCache:
             shutil.rmtree(tmp, ignore_errors=True)
         if (final / IMAGE_FILE).exists():
             self._images.add(adapter_id)
+        if self.metrics:
+            self.metrics.bytes_moved.labels(tier="remote").inc(archive_bytes)
         nbytes = _dir_bytes(final)
         victims = self.policy.put("disk", adapter_id, nbytes)
         log.info("fetched %s (%s bytes, version %s)", adapter_id, nbytes, manifest.get("version"))

@@ -625,7 +625,7 @@ class LoraHandler:
     # -- state ------------------------------------------------------------------------------
 
     def state(self):
-        from lorafarm.schemas import ReplicaState
+        from lorafarm.schemas import HeldAdapter, ReplicaState
 
         st = self.engine.stats()
         merged = self.context.merged_adapter
@@ -635,7 +635,10 @@ class LoraHandler:
             ram_adapters=[] if merged else self.cache.ram_adapters(),
             queue_depth=self.waiting(), running=int(st.running), tokens_in_flight=int(st.tokens_in_flight),
             evictions_per_min=self.metrics.evictions_per_min(), loads_per_min=self.metrics.loads_per_min(),
-            kv_cache_usage=float(st.kv_cache_usage))
+            kv_cache_usage=float(st.kv_cache_usage),
+            adapters=({merged: HeldAdapter(tier="gpu")} if merged else
+                      {a: HeldAdapter(tier=t, expected_load_ms=round(ms, 3)) for a, (t, ms) in self.cache.held().items()}),
+            load_ms={} if merged else self.cache.load_times.averages_ms())
 
     def refresh_gauges(self) -> None:
         st = self.engine.stats()

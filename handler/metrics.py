@@ -127,6 +127,14 @@ class ReplicaMetrics:
         self.evicted_in_use = Counter(
             "lorafarm_adapter_evictions_in_use",
             "Evictions of an adapter that had running requests (must stay 0).", registry=r)
+        self.prefetch_hits = Counter(
+            "lorafarm_adapter_prefetch_hits",
+            "Requests whose adapter a prefetch (popularity or owner pull) had brought in, by tier found.",
+            ["tier"], registry=r)
+        self.bytes_moved = Counter(
+            "lorafarm_adapter_bytes_moved",
+            "Adapter bytes moved, by the tier they came from (remote: fetched, disk: read, ram: copied "
+            "into a slot).", ["tier"], registry=r)
         self.load_rate = RateWindow()
         self.eviction_rate = RateWindow()
         # pre-create label sets so dashboards see zeros rather than missing series

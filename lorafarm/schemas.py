@@ -5,6 +5,13 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 
+class HeldAdapter(BaseModel):
+    """An adapter a replica holds: where, and what a request for it would wait for its load."""
+
+    tier: str = Field(description="gpu | ram | disk")
+    expected_load_ms: float = Field(0.0, description="expected time to mount it from that tier (0 on the device)")
+
+
 class ReplicaState(BaseModel):
     """GET /internal/replicas/{replica_id}/state: what a replica holds, polled by the router."""
 
@@ -20,3 +27,7 @@ class ReplicaState(BaseModel):
     evictions_per_min: float = 0.0
     loads_per_min: float = 0.0
     kv_cache_usage: float = 0.0
+    adapters: dict[str, HeldAdapter] = Field(
+        default_factory=dict, description="every held adapter (gpu, ram, disk) with its tier and expected load time")
+    load_ms: dict[str, float] = Field(
+        default_factory=dict, description="moving average load time per source tier (ram, disk, remote), ms")

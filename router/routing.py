@@ -8,10 +8,23 @@ Rules (DESIGN.md section 5):
   model name listed in the replica's models) and are healthy; replicas whose state could not be
   fetched keep their last known state ("possibly warm") and stay candidates until their health
   check fails;
-- classes, best first: adapter on the device (gpu) > in host RAM (ram) > rendezvous owner
-  (top-k over the candidates with the registry's owners_k) > any other candidate (cold);
-- the strategy orders replicas within a class: least_tokens (default), least_connections,
-  weighted (tokens in flight per unit of capacity), random;
+- classes: adapter on the device (gpu), in host RAM (ram), on local disk (disk), rendezvous owner
+  (top-k over the candidates with the registry's owners_k), any other candidate (cold);
+- the replicas that hold the adapter or own it, under their load threshold, are ordered by the
+  expected time to first token:
+
+      expected_ttft_ms = queue_wait_ms + load_ms (+ owner_bias_ms for a non-owner that must fetch it)
+      queue_wait_ms    = queue_depth * view.queue_ms_per_request
+      load_ms          = 0 on the device; the replica's reported expected_load_ms for its RAM or
+                         disk copy; its moving average for a remote load when it holds none
+                         (the seed's 8 ms / 40 ms / 400 ms when it reports nothing)
+
+  so a loaded-idle replica beats a busy one holding it on the device only when the queue costs
+  more than the load, and a replica with the adapter on disk beats an owner that must fetch it;
+  with empty queues and the default figures this is the class order gpu > ram > disk > owner. Ties (equal
+  expected TTFT) go to the class order, then to the strategy: least_tokens (default),
+  least_connections, weighted (tokens in flight per unit of capacity), random;
+- other candidates (cold, not owners) follow as failover, by the same key;
 - a replica over its load threshold drops behind the warm and owner replicas that are not; when
   every warm or owner replica is over it, the least loaded candidate is tried first (spill);
 - if no candidate is healthy, the unhealthy ones are returned as a last resort (a replica whose
@@ -30,10 +43,12 @@ from lorafarm.rendezvous import score as rendezvous_score
 STRATEGIES = ("least_tokens", "least_connections", "weighted", "random")
 
 # readiness classes, best first
-GPU, RAM, OWNER, ANY, BASE = "gpu", "ram", "owner", "any", "base"
-_CLASS_RANK = {GPU: 0, RAM: 1, OWNER: 2, BASE: 2, ANY: 3}
+GPU, RAM, DISK, OWNER, ANY, BASE = "gpu", "ram", "disk", "owner", "any", "base"
+_CLASS_RANK = {GPU: 0, RAM: 1, DISK: 2, OWNER: 3, BASE: 3, ANY: 4}
 # routing class as reported in metrics and logs
-ROUTE_CLASS = {GPU: "warm", RAM: "warm", BASE: "warm", OWNER: "owner", ANY: "cold"}
+ROUTE_CLASS = {GPU: "warm", RAM: "warm", DISK: "warm", BASE: "warm", OWNER: "owner", ANY: "cold"}
+# expected load time per source tier when a replica reports none (the seed's budgets, 80 MB adapter)
+DEFAULT_LOAD_MS = {GPU: 0.0, RAM: 8.0, DISK: 40.0, "remote": 400.0}
 
 
 @dataclass(frozen=True)
@@ -47,11 +62,23 @@ class ReplicaSnapshot:
     capacity_weight: float = 1.0
     gpu_adapters: frozenset[str] = frozenset()
     ram_adapters: frozenset[str] = frozenset()
+    disk_adapters: frozenset[str] = frozenset()
+    # adapter -> expected load ms from the tier it is held in (ram/disk); per-tier moving averages
+    load_ms: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
+    tier_load_ms: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     tokens_in_flight: int = 0  # max(replica's last report, this router's own in-flight estimate)
     connections: int = 0  # requests in flight (router's count or the replica's running + queued)
     queue_depth: int = 0
     healthy: bool = True  # False after N health checks failed in a row
     state_fresh: bool = True  # False: last state fetch failed; lists above are the last known
+
+    def expected_load_ms(self, adapter_id: str, tier: str) -> float:
+        """What a request for `adapter_id` waits for its load here, from `tier` (gpu/ram/disk/remote)."""
+        if tier == GPU:
+            return 0.0
+        if tier != "remote" and adapter_id in self.load_ms:
+            return self.load_ms[adapter_id]
+        return self.tier_load_ms.get(tier, DEFAULT_LOAD_MS[tier])
 
     def serves(self, request: RouteRequest) -> bool:
         if request.base_model_hash and self.base_model_hash == request.base_model_hash:
@@ -66,6 +93,8 @@ class ViewSnapshot:
     replicas: tuple[ReplicaSnapshot, ...] = ()
     load_threshold_tokens: int = 8192  # per unit of capacity_weight
     load_threshold_queue: int = 16
+    queue_ms_per_request: float = 100.0  # expected-TTFT: wait per request queued ahead
+    owner_bias_ms: float = 50.0  # expected-TTFT: added for a non-owner that would fetch the adapter
 
     def overloaded(self, r: ReplicaSnapshot) -> bool:
         limit = self.load_threshold_tokens * max(r.capacity_weight, 1e-9)
@@ -102,6 +131,7 @@ class _Scored:
     klass: str
     overloaded: bool
     tiebreak: float = field(default=0.0)
+    expected_ms: float = 0.0  # expected time to first token (module docstring)
 
 
 def _load(r: ReplicaSnapshot) -> float:
@@ -169,11 +199,19 @@ def choose(
             klass = GPU
         elif adapter in r.ram_adapters:
             klass = RAM
+        elif adapter in r.disk_adapters:
+            klass = DISK
         elif r.replica_id in owner_ids:
             klass = OWNER
         else:
             klass = ANY
-        scored.append(_Scored(r, klass, view.overloaded(r), tiebreak(r)))
+        expected = 0.0
+        if adapter and affinity:
+            tier = klass if klass in (GPU, RAM, DISK) else "remote"
+            expected = r.queue_depth * view.queue_ms_per_request + r.expected_load_ms(adapter, tier)
+            if tier == "remote" and r.replica_id not in owner_ids:
+                expected += view.owner_bias_ms
+        scored.append(_Scored(r, klass, view.overloaded(r), tiebreak(r), expected))
 
     def by_strategy(s: _Scored) -> tuple:
         return _strategy_key(strategy, s)
@@ -184,7 +222,7 @@ def choose(
         return [_ranked(s) for s in ordered]
 
     def by_class(s: _Scored) -> tuple:
-        return (s.overloaded, _CLASS_RANK[s.klass], by_strategy(s))
+        return (s.overloaded, s.expected_ms, _CLASS_RANK[s.klass], by_strategy(s))
 
     ok = sorted((s for s in scored if s.klass != ANY and not s.overloaded), key=by_class)
     if ok:
@@ -193,7 +231,7 @@ def choose(
         return [_ranked(s) for s in ok + rest]
     # every warm/owner replica is over its threshold: spill to the least loaded candidate
     spill = min(scored, key=lambda s: (s.overloaded, _load(s.replica), s.replica.connections, s.tiebreak))
-    rest = sorted((s for s in scored if s is not spill), key=by_class)
+    rest = sorted((s for s in scored if s is not spill), key=lambda s: (s.overloaded, _CLASS_RANK[s.klass], by_strategy(s)))
     return [_ranked(spill, route_class="spill" if spill.klass == ANY else None)] + [_ranked(s) for s in rest]
 
 

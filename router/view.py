@@ -48,6 +48,8 @@ class ReplicaEntry:
     # derived sets, rebuilt only when the state or the registry entry changes (not per request)
     _gpu: frozenset[str] = frozenset()
     _ram: frozenset[str] = frozenset()
+    _disk: frozenset[str] = frozenset()
+    _load_ms: dict = field(default_factory=dict)
     _models: frozenset[str] = frozenset()
     _hash: str = ""
 
@@ -59,6 +61,9 @@ class ReplicaEntry:
         self._models = frozenset(models)
         self._gpu = frozenset(st.gpu_adapters) if st else frozenset()
         self._ram = frozenset(st.ram_adapters) if st else frozenset()
+        held = st.adapters if st else {}
+        self._disk = frozenset(a for a, h in held.items() if h.tier == "disk")
+        self._load_ms = {a: h.expected_load_ms for a, h in held.items() if h.tier in ("ram", "disk")}
         self._hash = (st.base_model_hash if st and st.base_model_hash else "") or self.base_model_hash
 
     def snapshot(self, health_failures_limit: int) -> ReplicaSnapshot:
@@ -71,6 +76,9 @@ class ReplicaEntry:
             capacity_weight=self.capacity_weight,
             gpu_adapters=self._gpu,
             ram_adapters=self._ram,
+            disk_adapters=self._disk,
+            load_ms=self._load_ms,
+            tier_load_ms=dict(st.load_ms) if st else {},
             tokens_in_flight=max(st.tokens_in_flight if st else 0, self.local_tokens),
             connections=max((st.running + st.queue_depth) if st else 0, self.local_connections),
             queue_depth=st.queue_depth if st else 0,

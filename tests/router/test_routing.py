@@ -209,3 +209,70 @@ def test_properties(replicas, strategy, k, h, seed):
         # spill: the least loaded candidate (by tokens per capacity, replicas under threshold first)
         best = min((view.overloaded(r), r.tokens_in_flight / r.capacity_weight) for r in pool)
         assert (first.overloaded, first.replica.tokens_in_flight / first.replica.capacity_weight) == best
+
+
+# ------------------------------------------------------------------ expected time to first token
+
+
+def held(rid, tier, ms=None, queue=0, tokens=0, tier_ms=None):
+    r = rep(rid, gpu=("ad-x",) if tier == "gpu" else (), ram=("ad-x",) if tier == "ram" else (), queue=queue,
+            tokens=tokens)
+    return ReplicaSnapshot(**{**r.__dict__, "disk_adapters": frozenset(["ad-x"]) if tier == "disk" else frozenset(),
+                              "load_ms": {"ad-x": ms} if ms is not None else {}, "tier_load_ms": tier_ms or {}})
+
+
+def test_expected_ttft_queue_wait_against_load_time():
+    # a device copy behind 3 queued requests (300 ms) loses to an idle replica with a 20 ms RAM copy ...
+    view = ViewSnapshot(replicas=(held("r0", "gpu", queue=3), held("r1", "ram", ms=20.0)))
+    assert ids(choose(req(), view)) == ["r1", "r0"]
+    # ... and wins when the RAM copy costs more than the queue
+    view = ViewSnapshot(replicas=(held("r0", "gpu", queue=3), held("r1", "ram", ms=350.0)))
+    assert ids(choose(req(), view)) == ["r0", "r1"]
+    # the replica's own measured figures count: a slow disk loses to a fast one
+    view = ViewSnapshot(replicas=(held("r0", "disk", ms=90.0), held("r1", "disk", ms=30.0)))
+    assert ids(choose(req(), view))[0] == "r1"
+
+
+def test_a_disk_copy_beats_an_owner_that_must_fetch():
+    names = [f"r{i}" for i in range(4)]
+    own = owners("ad-x", names, 1)
+    other = next(n for n in names if n not in own)
+    view = [held(n, "disk", ms=40.0) if n == other else rep(n) for n in names]
+    ranked = choose(req(k=1), view)
+    assert ids(ranked)[:2] == [other, own[0]]
+    assert [r.klass for r in ranked[:2]] == ["disk", "owner"]
+    # unless the owner reports remote loads faster than that disk (its moving average)
+    view = [held(n, "disk", ms=40.0) if n == other else held(n, "none", tier_ms={"remote": 10.0}) for n in names]
+    assert ids(choose(req(k=1), view))[0] == own[0]
+
+
+def test_default_tier_figures_keep_the_class_order_with_empty_queues():
+    names = [f"r{i}" for i in range(6)]
+    own = owners("ad-x", names, 1)
+    others = [n for n in names if n not in own]
+    tiers = dict(zip(others, ["disk", "ram", "gpu", "none", "none"]))
+    view = [held(n, tiers.get(n, "none")) for n in names]
+    ranked = choose(req(k=1), view)
+    assert [r.klass for r in ranked] == ["gpu", "ram", "disk", "owner", "any", "any"]
+
+
+def test_equal_expected_ttft_is_broken_by_the_strategy():
+    view = [held("r0", "ram", ms=10.0, tokens=500), held("r1", "ram", ms=10.0, tokens=100)]
+    assert ids(choose(req(), view)) == ["r1", "r0"]
+    view = [held("r0", "ram", ms=10.0, tokens=500), held("r1", "ram", ms=10.0, tokens=100)]
+    firsts = {ids(choose(req(), view, "random", rng=random.Random(s)))[0] for s in range(40)}
+    assert firsts == {"r0", "r1"}
+
+
+def test_expected_ttft_keeps_possibly_warm_and_spill():
+    # a stale state still counts its last known tiers
+    stale = ReplicaSnapshot(**{**held("r0", "ram", ms=5.0).__dict__, "state_fresh": False})
+    assert ids(choose(req(), [stale, held("r1", "disk", ms=40.0)]))[0] == "r0"
+    # every holder and owner over its threshold: spill to the least loaded, whatever its load time
+    names = ["r0", "r1", "r2", "r3"]
+    own = owners("ad-x", names, 1)[0]
+    free = [n for n in names if n != own]
+    view = ViewSnapshot(replicas=(held(own, "gpu", tokens=9000), held(free[0], "ram", ms=1.0, tokens=9500),
+                                  rep(free[1], tokens=100), rep(free[2], tokens=50)), load_threshold_tokens=4096)
+    ranked = choose(req(k=1), view)
+    assert ids(ranked)[0] == free[2] and ranked[0].route_class == "spill"
