@@ -34,7 +34,7 @@ from router.config import RouterSettings
 from router.metrics import RouterMetrics
 from router.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, UPSTREAM_PATH, ApiError, ParsedRequest, parse_request
 from router.proxy import Failed, Opened, Proxy, UsageScanner
-from router.ratelimit import RateLimiter
+from router.ratelimit import make_limiter
 from router.routing import RankedReplica, RouteRequest, choose
 from router.slo import SloTracker
 from router.stats import StatsAccumulator
@@ -81,7 +81,7 @@ class RouterCore:
             negative_ttl=s.auth_negative_ttl,
             stale_grace=s.auth_stale_grace,
         )
-        self.limiter = RateLimiter(burst_seconds=s.burst_seconds)
+        self.limiter = make_limiter(s.redis_url, s.burst_seconds)
         self.slo = SloTracker(
             target=s.slo_ttft_target,
             window=s.slo_window,

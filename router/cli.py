@@ -38,6 +38,7 @@ def _router(args: argparse.Namespace) -> int:
             read_timeout=args.read_timeout,
             state_timeout=args.state_timeout,
             health_timeout=args.state_timeout,
+            **({"redis_url": args.redis_url} if args.redis_url else {}),
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -77,6 +78,9 @@ def register(sub) -> None:
                    help="failed health checks in a row before a replica leaves routing (default 3)")  # fmt: skip
     p.add_argument("--load-threshold-tokens", type=int, default=8192,
                    help="tokens in flight per unit of capacity above which a replica spills (default 8192)")  # fmt: skip
+    p.add_argument("--redis-url", default=None,
+                   help="shared rate-limit buckets for several routers, e.g. redis://redis:6379/0 "
+                        "($LORAFARM_REDIS_URL); without it each router enforces the limits on its own")
     p.add_argument("--stats-window", type=float, default=10.0,
                    help="seconds between per-adapter stats pushes to the registry (default 10)")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=float(os.environ.get("LORAFARM_SLO_TTFT_TARGET") or 1.0),

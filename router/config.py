@@ -57,6 +57,8 @@ class RouterSettings:
     default_requests_per_s: float | None = None  # None = unlimited
     default_tokens_per_s: float | None = None
     burst_seconds: float = 1.0  # bucket capacity = rate x burst_seconds (at least one request)
+    # shared rate-limit buckets for several routers (redis://host:6379/0); None: per router
+    redis_url: str | None = field(default_factory=lambda: os.environ.get("LORAFARM_REDIS_URL") or None)
     default_max_tokens: int = 256  # token cost of a request that sets no max_tokens
 
     # SLO
