@@ -283,10 +283,20 @@ class RegistryClient:
         body = {"window_s": window_s, "adapters": [dict(a) for a in adapters]}
         await self._json("POST", "/internal/stats", json=body)
 
-    async def routing_table(self, etag: str | None = None) -> tuple[dict | None, str | None]:
-        """-> (table, etag), or (None, etag) when the table still matches `etag` (304)."""
+    async def routing_table(
+        self, etag: str | None = None, *, wait: float = 0.0, router_id: str | None = None
+    ) -> tuple[dict | None, str | None]:
+        """-> (table, etag), or (None, etag) when the table still matches `etag` (304).
+        `wait` > 0 long-polls: the registry holds the 304 up to that many seconds until the table
+        changes. `router_id` names the caller, so the registry can wait for it to apply a deploy."""
         headers = {"If-None-Match": etag} if etag else {}
-        response = await self._request("GET", "/internal/routing", headers=headers, ok=(304,))
+        if router_id:
+            headers["X-Lorafarm-Router"] = router_id
+        kw: dict = {}
+        if wait > 0:
+            kw = {"params": {"wait": f"{wait:g}"}, "timeout": self._http.timeout.read + wait if self._http.timeout.read
+                  else None}
+        response = await self._request("GET", "/internal/routing", headers=headers, ok=(304,), **kw)
         new_etag = response.headers.get("etag", etag)
         if response.status_code == 304:
             return None, new_etag

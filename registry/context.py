@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from registry.settings import RegistrySettings
 from registry.tables import Adapter, Replica, as_utc, utcnow
 
 log = logging.getLogger("lorafarm.registry")
+ROUTER_TTL_S = 45.0  # a router that has not polled this long is not waited for (longer than a long poll)
 
 
 @dataclass
@@ -51,6 +53,11 @@ class RegistryContext:
         self.trusted_keys = list(trusted_keys or [public_key])
         self.base_models = dict(base_models or {})
         self.upload_lock = asyncio.Lock()
+        # liveness is judged only on heartbeats this process could have received: a replica is not
+        # "unseen" for the time the registry itself was down
+        self.started_at = utcnow()
+        # routers long-polling the routing table: router id -> (version it has applied, when it asked)
+        self.routers: dict[str, tuple[int, float]] = {}
 
     # -- auth ---------------------------------------------------------------------------------
 
@@ -83,7 +90,7 @@ class RegistryContext:
         now = utcnow()
         cutoff = now - timedelta(seconds=s.replica_timeout_s)
         async with self.db.read() as session:
-            stale = (
+            stale = [] if self.started_at > cutoff else (  # within the start-up grace nobody is stale
                 await session.execute(select(Replica.replica_id).where(Replica.status == "up", Replica.last_seen < cutoff))
             ).scalars().all()
             warm = (
@@ -127,6 +134,34 @@ class RegistryContext:
             if bumped:
                 await self.db.bump(session)
         return bumped
+
+    # -- read-your-writes for deploys ---------------------------------------------------------
+
+    def router_polled(self, router_id: str, applied_version: int) -> None:
+        """A router asked for the routing table holding `applied_version` (its If-None-Match)."""
+        if len(self.routers) > 1000:  # forget the long gone
+            cutoff = time.monotonic() - ROUTER_TTL_S
+            self.routers = {k: v for k, v in self.routers.items() if v[1] >= cutoff}
+        self.routers[router_id[:64]] = (applied_version, time.monotonic())
+
+    async def wait_for_routers(self, version: int | None = None) -> bool:
+        """After a deploy (alias set, rollback, upload with alias): wait, at most
+        `settings.deploy_wait_s`, until every router long-polling this registry has applied
+        `version` (default: the current one), so a request sent when the call returns sees it.
+        True when they all have."""
+        if version is None:
+            version = await self.db.version()
+        deadline = time.monotonic() + self.settings.deploy_wait_s
+        while True:
+            now = time.monotonic()
+            behind = [r for r, (v, at) in self.routers.items() if now - at < ROUTER_TTL_S and v < version]
+            if not behind:
+                return True
+            if now >= deadline:
+                log.warning("deploy of version %d: routers %s have not applied it within %.1f s",
+                            version, ", ".join(sorted(behind)), self.settings.deploy_wait_s)
+                return False
+            await asyncio.sleep(0.01)
 
     async def sweep_forever(self) -> None:
         while True:

@@ -25,6 +25,7 @@ class RegistrySettings:
     cooldown_ratio: float = 0.8  # k is lowered only once the rate is below this share of (k-1) replicas
     stats_retention_s: float = 3600.0  # adapter_stats rows older than this are pruned
     replica_timeout_s: float = 30.0  # a replica unseen this long is marked down
+    deploy_wait_s: float = 2.0  # an alias change returns once long-polling routers applied it (at most this)
     sweep_interval_s: float = 2.0  # how often replica liveness and owner counts are re-evaluated
     max_upload_bytes: int = 2 * 1024**3
     state_dir: str | os.PathLike = "var"

@@ -96,6 +96,8 @@ class RouterCore:
             connect_timeout=s.connect_timeout,
             first_byte_timeout=s.first_byte_timeout,
             read_timeout=s.read_timeout,
+            non_stream_timeout=s.non_stream_timeout,
+            is_responsive=self.view.is_responsive,
             on_failure=self.view.mark_failure,
             on_success=self.view.mark_success,
             on_failover=lambda reason: self.metrics.failovers.labels(reason).inc(),
@@ -105,6 +107,10 @@ class RouterCore:
         self._tasks: list[asyncio.Task] = []
         self._registry_down_logged = False
         self._stats_since = time.monotonic()
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
+        self._misses: dict[str, float] = {}  # unknown model name -> until when it is not refetched
+        self._miss_task: asyncio.Future | None = None
+        self._miss_started = 0.0
 
     async def _verify_key(self, api_key: str) -> dict | None:
         self.metrics.registry_calls.labels("auth").inc()
@@ -112,10 +118,13 @@ class RouterCore:
 
     # -- background loops ----------------------------------------------------------------------
 
-    async def refresh_routing(self) -> bool:
-        """One routing-table poll; True when a new table was applied."""
+    async def refresh_routing(self, wait: float = 0.0, kind: str = "routing") -> bool:
+        """One routing-table poll (a long poll with `wait` > 0); True when a new table was applied.
+        The poll names this router and the version it has applied, which is how the registry knows
+        when a deploy is in use here (DESIGN.md section 7: read-your-writes)."""
+        self.metrics.registry_calls.labels(kind).inc()
         try:
-            table, etag = await self.registry.routing_table(self.etag)
+            table, etag = await self.registry.routing_table(self.etag, wait=wait, router_id=self.router_id)
         except Exception as e:
             self.metrics.registry_errors.labels("routing").inc()
             if not self._registry_down_logged:
@@ -127,13 +136,62 @@ class RouterCore:
             self._registry_down_logged = False
         if table is None:
             return False
+        version, current = table.get("version"), self.view.table.version
+        if isinstance(version, int) and isinstance(current, int) and version < current:
+            return False  # a slower concurrent poll: never go back to an older table
         self.view.apply_table(table)
+        self._misses.clear()
         self.auth.revoke_key_ids(self.view.table.revoked_key_ids)
         self.etag = etag
         if self.view.table.version is not None:
             with contextlib.suppress(TypeError, ValueError):
                 self.metrics.routing_version.set(float(self.view.table.version))
         log.debug("routing table version %s applied", self.view.table.version)
+        return True
+
+    async def _routing_loop(self) -> None:
+        """Long-poll the routing table: a change is applied within one registry round trip, and the
+        next poll (sent at once) tells the registry it is applied. Plain polling every
+        `routing_poll_interval` when the registry answers at once or is unreachable."""
+        s = self.settings
+        while True:
+            started = time.monotonic()
+            try:
+                if await self.refresh_routing(wait=s.routing_long_poll):
+                    continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("router routing loop failed; continuing")
+            await asyncio.sleep(max(0.0, s.routing_poll_interval - (time.monotonic() - started)))
+
+    async def refresh_for_miss(self, model: str) -> bool:
+        """A request named a model the routing table does not know: fetch the table once before
+        answering 404, so a deploy is usable the moment its registry call returns. Single flight
+        (concurrent misses share one fetch that started after they arrived), at most one fetch per
+        0.1 s, and a name still unknown afterwards is not refetched for `miss_negative_ttl` s.
+        True when a fetch ran (the caller resolves again)."""
+        now = time.monotonic()
+        if self._misses.get(model, 0.0) > now:
+            return False
+        arrived = now
+        while True:
+            task = self._miss_task
+            if task is not None and not task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)
+                if self._miss_started >= arrived:
+                    break
+                continue  # that fetch began before this request: it may predate the deploy
+            gap = self._miss_started + 0.1 - time.monotonic()
+            if gap > 0:
+                await asyncio.sleep(gap)
+                continue
+            self._miss_started = time.monotonic()
+            self._miss_task = asyncio.ensure_future(self.refresh_routing(kind="routing_miss"))
+        if len(self._misses) > 10_000:
+            self._misses.clear()
+        self._misses[model] = time.monotonic() + self.settings.miss_negative_ttl
         return True
 
     async def _every(self, interval: float, fn, name: str) -> None:
@@ -170,7 +228,7 @@ class RouterCore:
                 if await self.refresh_routing():
                     await self.view.poll_states()
         self._tasks = [
-            asyncio.create_task(self._every(s.routing_poll_interval, self.refresh_routing, "routing")),
+            asyncio.create_task(self._routing_loop()),
             asyncio.create_task(self._every(s.poll_interval, self._poll_states, "state")),
             asyncio.create_task(self._every(s.stats_window, self._push_stats, "stats")),
             asyncio.create_task(self._every(s.slo_eval_interval, self._evaluate_slo, "slo")),
@@ -276,7 +334,12 @@ class RouterCore:
                 headers=limit.headers,
             )
         try:
-            resolved = self.catalog.resolve(tenant.tenant_id, parsed.model)
+            try:
+                resolved = self.catalog.resolve(tenant.tenant_id, parsed.model)
+            except ModelNotFound:
+                if not await self.refresh_for_miss(parsed.model):
+                    raise
+                resolved = self.catalog.resolve(tenant.tenant_id, parsed.model)
         except ModelNotFound as e:
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
             access_log.info("request_id=%s tenant=%s model=%s status=404 model_not_found",

@@ -35,16 +35,19 @@ class RouterSettings:
 
     # replica view
     poll_interval: float = 1.0  # GET /internal/replicas/{id}/state cadence
-    state_timeout: float = 2.0
-    health_timeout: float = 2.0
+    state_timeout: float = 1.5  # a state poll that times out counts as a failed health check
+    health_timeout: float = 1.5
     health_failures: int = 3  # consecutive failed health checks before a replica is taken out
-    routing_poll_interval: float = 1.0  # GET /internal/routing (with ETag) cadence
+    routing_poll_interval: float = 1.0  # GET /internal/routing (with ETag) cadence when not long-polling
+    routing_long_poll: float = 20.0  # the registry holds a poll this long until the table changes (0: off)
+    miss_negative_ttl: float = 1.0  # an unknown model name, refreshed for and still unknown, is not refetched
     registry_timeout: float = 5.0
 
     # proxy
     connect_timeout: float = 2.0
-    first_byte_timeout: float = 120.0  # replica accepted the request but has not answered yet
-    read_timeout: float = 300.0  # between two chunks once streaming
+    first_byte_timeout: float = 10.0  # a stream's first byte (after admission): else fail over
+    read_timeout: float = 10.0  # between two chunks once streaming: else an error event ends it
+    non_stream_timeout: float = 600.0  # a whole non-streamed answer (a frozen replica is left sooner)
     max_attempts: int = 3  # replicas tried before the first byte
     max_connections: int = 1024
 

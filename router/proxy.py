@@ -156,8 +156,10 @@ class Proxy:
         admin_token: str | None,
         max_attempts: int = 3,
         connect_timeout: float = 2.0,
-        first_byte_timeout: float = 120.0,
-        read_timeout: float = 300.0,
+        first_byte_timeout: float = 10.0,
+        read_timeout: float = 10.0,
+        non_stream_timeout: float = 600.0,
+        is_responsive: Callable[[str], bool] | None = None,
         on_failure: Callable[[str, str], None] | None = None,
         on_success: Callable[[str], None] | None = None,
         on_failover: Callable[[str], None] | None = None,
@@ -165,9 +167,14 @@ class Proxy:
         self.http = http
         self.admin_token = admin_token
         self.max_attempts = max_attempts
+        # streams: read_timeout between two chunks; a non-streamed answer comes whole, after its generation
         self.timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=30.0, pool=connect_timeout)
+        self.whole_timeout = httpx.Timeout(connect=connect_timeout, read=non_stream_timeout, write=30.0,
+                                           pool=connect_timeout)
         self.first_byte_timeout = first_byte_timeout
         self.read_timeout = read_timeout
+        self.non_stream_timeout = non_stream_timeout
+        self.is_responsive = is_responsive or (lambda rid: True)
         self.on_failure = on_failure or (lambda rid, why: None)
         self.on_success = on_success or (lambda rid: None)
         self.on_failover = on_failover or (lambda reason: None)
@@ -195,12 +202,17 @@ class Proxy:
             rid = cand.replica_id
             tried.append(rid)
             url = f"{cand.replica.url}{path}"
-            req = self.http.build_request("POST", url, content=body, headers=headers, timeout=self.timeout)
+            req = self.http.build_request("POST", url, content=body, headers=headers,
+                                          timeout=self.whole_timeout if read_whole_body else self.timeout)
             response: httpx.Response | None = None
+            watch: asyncio.Task | None = None
             try:
-                # a non-streamed answer is generated whole before its first byte: give it the longer limit
-                limit = max(self.first_byte_timeout, self.read_timeout) if read_whole_body else self.first_byte_timeout
-                async with asyncio.timeout(limit):
+                # a non-streamed answer is generated whole before its first byte: it gets the long limit,
+                # and is given up as soon as the health checks take its replica out of routing (frozen)
+                limit = self.non_stream_timeout if read_whole_body else self.first_byte_timeout
+                async with asyncio.timeout(limit) as scope:
+                    if self.is_responsive(rid):
+                        watch = asyncio.create_task(self._watch(rid, scope))
                     response = await self.http.send(req, stream=True)
                     if response.status_code >= 500 or response.status_code == 429:
                         content = await response.aread()
@@ -233,7 +245,7 @@ class Proxy:
                 if not isinstance(e, httpx.HTTPError | TimeoutError | OSError):
                     raise  # cancelled (the client left) or a bug: not a replica failure
                 reason = _reason(e)
-                if reason in ("connect", "connect_timeout"):
+                if reason in ("connect", "connect_timeout", "timeout"):
                     self.on_failure(rid, reason)
                 log.warning(
                     "request %s: replica %s failed before the first byte (%s: %s); trying the next",
@@ -241,6 +253,9 @@ class Proxy:
                 )  # fmt: skip
                 self.on_failover(reason)
                 continue
+            finally:
+                if watch is not None:
+                    watch.cancel()
             self.on_success(rid)
             ctype = response.headers.get("content-type", "")
             return Opened(
@@ -263,6 +278,15 @@ class Proxy:
         )
         body_out = json.dumps(error_body(msg, "server_error", "replica_unavailable")).encode()
         return Failed(503, body_out, {"content-type": "application/json"}, len(tried), tried)
+
+    async def _watch(self, replica_id: str, scope: asyncio.Timeout) -> None:
+        """Expire `scope` now once `replica_id` stops being responsive (taken out of routing)."""
+        while True:
+            await asyncio.sleep(0.25)
+            if not self.is_responsive(replica_id):
+                log.warning("replica %s left routing while a request waited on it; failing over", replica_id)
+                scope.reschedule(asyncio.get_running_loop().time())
+                return
 
     async def relay(
         self, opened: Opened, scanner: UsageScanner, on_done: Callable[[str], None]

@@ -44,6 +44,7 @@ class ReplicaEntry:
     health_failures: int = 0  # consecutive failed health checks (or refused requests)
     local_tokens: int = 0  # this router's requests in flight to it (estimated tokens)
     local_connections: int = 0
+    registry_down: bool = False  # the registry lists it as down; kept while this router reaches it
 
     # derived sets, rebuilt only when the state or the registry entry changes (not per request)
     _gpu: frozenset[str] = frozenset()
@@ -156,14 +157,25 @@ class ReplicaView:
         seen = set()
         for r in table.replicas:
             rid = str(r["replica_id"])
-            if str(r.get("status") or "up").lower() in _GONE or not r.get("url"):
+            if not r.get("url"):
                 continue
-            seen.add(rid)
             entry = self.replicas.get(rid)
             url = str(r["url"]).rstrip("/")
+            status = str(r.get("status") or "up").lower()
+            registry_down = status == "down"
+            if status in _GONE:
+                # "down" only says the registry missed its heartbeats (it may itself have been down):
+                # a replica this router reaches right now stays until its own checks fail
+                reachable = entry is not None and entry.url == url and entry.state_ok and not entry.health_failures
+                if not (registry_down and reachable):
+                    continue
+                if not entry.registry_down:
+                    log.warning("registry says replica %s is down, but it answers: kept in routing", rid)
+            seen.add(rid)
             if entry is None or entry.url != url:
                 entry = self.replicas[rid] = ReplicaEntry(replica_id=rid, url=url)
                 log.info("replica %s at %s joined the view", rid, url)
+            entry.registry_down = registry_down
             entry.base_model_hash = str(r.get("base_model_hash") or "")
             entry.models = tuple(str(m) for m in (r.get("models") or ()))
             try:
@@ -172,14 +184,18 @@ class ReplicaView:
                 entry.capacity_weight = 1.0
             entry.derive()
         for rid in [rid for rid in self.replicas if rid not in seen]:
-            log.info("replica %s left the view", rid)
-            del self.replicas[rid]
-            if self.metrics:
-                self.metrics.forget_replica(rid)
+            self._drop(rid)
         self.table = table
         self.table_loaded = True
         self.table_at = time.monotonic()
         self.catalog_version += 1
+
+    def _drop(self, replica_id: str) -> None:
+        if self.replicas.pop(replica_id, None) is not None:
+            log.info("replica %s left the view", replica_id)
+            self.catalog_version += 1
+            if self.metrics:
+                self.metrics.forget_replica(replica_id)
 
     # -- replica state -----------------------------------------------------------------------
 
@@ -221,6 +237,11 @@ class ReplicaView:
             if e.state_ok or e.state_at is None:
                 log.info("replica %s: state unavailable (%s); possibly warm", e.replica_id, _short(err))
             e.state_ok = False
+            if e.registry_down:  # the registry gave it up and we cannot reach it either
+                self._drop(e.replica_id)
+                return
+            if isinstance(err, httpx.TimeoutException):  # not answering at all (frozen?): a failure now,
+                self.mark_failure(e.replica_id, "state poll timed out")  # then the health check's
             await self._check_health(e)
             return
         e.state = state
@@ -256,6 +277,11 @@ class ReplicaView:
         e = self.replicas.get(replica_id)
         if e is not None and e.health_failures:
             e.health_failures = 0
+
+    def is_responsive(self, replica_id: str) -> bool:
+        """Still in routing (fewer than `health_failures` failures in a row); unknown ids are not."""
+        e = self.replicas.get(replica_id)
+        return e is not None and e.health_failures < self.health_failures
 
     def acquire(self, replica_id: str, tokens: int) -> None:
         e = self.replicas.get(replica_id)

@@ -238,7 +238,10 @@ class AdapterController(Controller):
                 raise ApiError(422, f"invalid adapter: {e}", code="invalid_adapter") from None
             if info.rank > s.rank_limit:
                 raise ApiError(422, f"rank {info.rank} is above the fleet limit {s.rank_limit}", code="rank_limit")
-            return await _store_and_register(ctx, folder, tenant_id, info, base_hash, base_config, version, alias)
+            response = await _store_and_register(ctx, folder, tenant_id, info, base_hash, base_config, version, alias)
+        if alias:
+            await ctx.wait_for_routers()  # read-your-writes: routers serve the alias when this returns
+        return response
 
     # -- read -------------------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ class AliasController(Controller):
             if not unchanged:
                 await ctx.db.bump(session)
             out = AliasOut(**alias_out(row))
+        await ctx.wait_for_routers()  # read-your-writes: routers serve the new target when this returns
         return out
 
     @post("/{tenant_id:str}/{name:str}/rollback", status_code=200, responses=errors(404, 409),
@@ -92,6 +93,7 @@ class AliasController(Controller):
             row.updated_at = utcnow()
             await ctx.db.bump(session)
             out = AliasOut(**alias_out(row))
+        await ctx.wait_for_routers()
         return out
 
     @get("/{tenant_id:str}/{name:str}", responses=errors(404), summary="One alias")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from datetime import timedelta
 
 from litestar import Controller, Request, Response, get, post
 from litestar.di import Provide
+from litestar.params import Parameter
 from litestar.openapi.datastructures import ResponseSpec
 from sqlalchemy import delete, select
 
@@ -16,6 +19,7 @@ from registry.schemas import RoutingAdapter, RoutingAlias, RoutingTable, StatsIn
 from registry.tables import Adapter, AdapterStat, ApiKey, Alias, RegistryState, Replica, as_utc, utcnow
 
 
+LONG_POLL_STEP_S = 0.05  # how often a held routing poll re-reads the version
 REVOKED_KEPT = timedelta(hours=1)  # longer than any router's auth-cache TTL
 
 
@@ -71,15 +75,33 @@ class RoutingController(Controller):
 
     @get("/", responses={**errors(), 304: ResponseSpec(None, description="unchanged since If-None-Match")},
          summary="Aliases, adapters, base models and replicas in one table, with an ETag (304 when unchanged)")
-    async def routing(self, ctx: RegistryContext, request: Request) -> Response[RoutingTable]:
+    async def routing(
+        self,
+        ctx: RegistryContext,
+        request: Request,
+        wait: float | None = Parameter(query="wait", ge=0, le=60, required=False,
+                                       description="long poll: hold a 304 answer up to this many seconds "
+                                                   "until the table changes"),
+    ) -> Response[RoutingTable]:
         await ctx.sweep()
+        inm = request.headers.get("if-none-match")
+        router_id = request.headers.get("x-lorafarm-router")
+        if router_id and inm:
+            with contextlib.suppress(ValueError):  # what it sends is what it has applied
+                ctx.router_polled(router_id, int(inm.strip().removeprefix("W/").strip('"').removeprefix("v")))
+        deadline = asyncio.get_running_loop().time() + (wait or 0.0)
+        while True:
+            version = await ctx.db.version()
+            etag = f'"v{version}"'
+            if not (inm and (inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")])):
+                break
+            if asyncio.get_running_loop().time() >= deadline:
+                return Response(None, status_code=304, headers={"ETag": etag, "Cache-Control": "no-cache"})
+            await asyncio.sleep(LONG_POLL_STEP_S)
         async with ctx.db.read() as session:
             # The version first: content read after it is at least as new, never older.
             version = int((await session.execute(select(RegistryState.version).where(RegistryState.id == 1))).scalar_one())
             etag = f'"v{version}"'
-            inm = request.headers.get("if-none-match")
-            if inm and (inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]):
-                return Response(None, status_code=304, headers={"ETag": etag, "Cache-Control": "no-cache"})
             aliases = (await session.execute(select(Alias.alias, Alias.adapter_id, Alias.tenant_id))).all()
             adapters = (await session.execute(
                 select(Adapter.adapter_id, Adapter.tenant_id, Adapter.base_model_hash, Adapter.owners_k, Adapter.status)
