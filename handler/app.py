@@ -610,9 +610,9 @@ def create_app(config: ReplicaConfig) -> Litestar:
 
 def run(config: ReplicaConfig, log_level: str = "info") -> None:
     """Serve with uvicorn until SIGINT/SIGTERM."""
-    import uvicorn
+    from lorafarm.serving import serve
 
     logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=config.shutdown_grace_s)
+    serve(create_app(config), config.host, config.port, log_level=log_level,
+          timeout_graceful_shutdown=config.shutdown_grace_s)  # slow-client limits, as the router

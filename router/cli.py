@@ -11,9 +11,8 @@ import sys
 def _router(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from lorafarm.errors import CliError
+    from lorafarm.serving import ClientLimits, serve
     from router.app import create_app
     from router.config import RouterSettings
 
@@ -47,7 +46,9 @@ def _router(args: argparse.Namespace) -> int:
     app = create_app(settings)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it: make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=10)
+    limits = ClientLimits(request_timeout=args.request_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                          max_connections=args.max_client_connections)
+    serve(app, args.host, args.port, limits, log_level="warning", access_log=False, timeout_graceful_shutdown=10)
     return 0
 
 
@@ -91,5 +92,12 @@ def register(sub) -> None:
                    help="seconds between two chunks of a stream before it ends with an error event (default 10)")  # fmt: skip
     p.add_argument("--state-timeout", type=float, default=1.5,
                    help="seconds a replica's state and health checks may take (default 1.5)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's headers and body; then the "
+                        "connection is closed (default 30)")  # fmt: skip
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle kept-alive client connection stays open (default 5)")  # fmt: skip
+    p.add_argument("--max-client-connections", type=int, default=4096,
+                   help="client connections + requests in progress; 503 above (default 4096)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_router)

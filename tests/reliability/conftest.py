@@ -22,7 +22,7 @@ from tests.e2e.conftest import running, seeded_farm
 
 RELIABILITY_ADAPTERS = 6
 # short enough that a frozen replica is noticed in seconds, long enough for a loaded 2-core CI box
-ROUTER_ARGS = ["--first-byte-timeout", "4", "--read-timeout", "4", "--poll-interval", "0.5"]
+ROUTER_ARGS = ["--first-byte-timeout", "4", "--read-timeout", "4", "--poll-interval", "0.5", "--request-timeout", "2"]
 REGISTRY_ARGS = ["--replica-timeout", "3"]
 
 
