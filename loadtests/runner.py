@@ -1,147 +1,278 @@
-"""Replay a workload against an OpenAI-compatible endpoint and measure it the way vLLM's
-`benchmarks/serve.py` does: TTFT, TPOT (time per output token), E2E latency, split by the tier the
-replica reported (`x-adapter-tier`) and by replica (`x-replica-id`, when the router sends it)."""
+"""Run the locust suite (loadtests/locustfile.py) headless, one subprocess per step, and turn what
+it wrote into per-step figures.
+
+A step is one locust run: a warm-up, then `duration` measured seconds. Its per-request CSV gives
+exact percentiles (locust's own CSVs round response times); the replicas' /metrics scraped at the
+window's start and end give, as counter differences over the window:
+
+    device hit rate = slot_hits / (slot_hits + slot_misses)         (requests found in a slot)
+    RAM hit rate    = slot_misses{tier=ram} / slot_misses           (misses served from host RAM)
+    loads/min       = 60 * loads{outcome=ok} / window               (into device slots)
+    evictions/min   = 60 * evictions{tier=gpu} / window             (out of device slots)
+
+Locust runs in its own process because it monkey-patches the standard library with gevent.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import statistics
+import csv
+import math
+import os
+import subprocess
+import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import httpx
-
-from loadtests.workload import WorkItem
-
-
-@dataclass
-class Result:
-    model: str
-    ok: bool
-    status: int
-    ttft: float | None = None
-    e2e: float | None = None
-    tokens: int = 0
-    tier: str = ""
-    adapter_id: str = ""
-    replica: str = ""
-    error: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or self.tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.tokens - 1)
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+REPO = Path(__file__).resolve().parent.parent
+TIERS = ("gpu", "ram", "disk", "remote", "base")
 
 
 @dataclass
-class Summary:
-    results: list[Result] = field(default_factory=list)
-    wall: float = 0.0
+class Target:
+    """Where the load goes: the router, a tenant key, the models (most popular first)."""
 
-    def percentiles(self, values: list[float]) -> dict[str, float]:
-        if not values:
-            return {}
-        v = sorted(values)
-
-        def pct(p: float) -> float:
-            return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
-
-        return {"mean": statistics.fmean(v), "p50": pct(50), "p95": pct(95), "p99": pct(99)}
-
-    def by(self, key) -> dict[str, list[Result]]:
-        groups: dict[str, list[Result]] = defaultdict(list)
-        for r in self.results:
-            groups[key(r)].append(r)
-        return dict(groups)
-
-    def table(self) -> list[dict]:
-        rows = []
-        ok = [r for r in self.results if r.ok]
-        groups = {"all": ok, **{f"tier={k}": v for k, v in self.by(lambda r: r.tier).items() if k}}
-        for name, rs in groups.items():
-            rs = [r for r in rs if r.ok]
-            ttft = self.percentiles([r.ttft for r in rs if r.ttft is not None])
-            tpot = self.percentiles([r.tpot for r in rs if r.tpot is not None])
-            rows.append(
-                {
-                    "group": name,
-                    "requests": len(rs),
-                    "ttft_p50_ms": 1000 * ttft.get("p50", float("nan")),
-                    "ttft_p95_ms": 1000 * ttft.get("p95", float("nan")),
-                    "tpot_p50_ms": 1000 * tpot.get("p50", float("nan")),
-                    "tpot_p95_ms": 1000 * tpot.get("p95", float("nan")),
-                }
-            )
-        return rows
-
-    @property
-    def errors(self) -> int:
-        return sum(not r.ok for r in self.results)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return sum(r.tokens for r in self.results if r.ok) / self.wall if self.wall else 0.0
+    router_url: str
+    api_key: str
+    models: list[str]
+    replica_urls: list[str] = field(default_factory=list)
+    base_model: str = ""
 
 
-async def _one(client: httpx.AsyncClient, url: str, key: str, item: WorkItem) -> Result:
-    body = {
-        "model": item.model,
-        "messages": [{"role": "user", "content": item.prompt}],
-        "max_tokens": item.max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    start = time.perf_counter()
+@dataclass
+class Workload:
+    zipf: float = 1.1
+    seed: int = 0
+    prompt_median: float = 12
+    prompt_sigma: float = 0.6
+    output_median: float = 16
+    output_sigma: float = 0.5
+    output_cap: int = 64
+    trace: str = ""
+
+    def flags(self) -> list[str]:
+        out = ["--zipf", str(self.zipf), "--seed", str(self.seed), "--prompt-median", str(self.prompt_median),
+               "--prompt-sigma", str(self.prompt_sigma), "--output-median", str(self.output_median),
+               "--output-sigma", str(self.output_sigma), "--output-cap", str(self.output_cap)]  # fmt: skip
+        return out + (["--trace", self.trace] if self.trace else [])
+
+
+class LocustFailed(RuntimeError):
+    pass
+
+
+def run_locust(
+    target: Target,
+    out: Path,
+    name: str,
+    *,
+    mode: str = "open",
+    rate: float = 1.0,
+    duration: float = 30.0,
+    warmup: float = 10.0,
+    workload: Workload = Workload(),
+    concurrency: int = 32,
+    distinct: int = 1,
+    models: list[str] | None = None,
+    progress: bool = True,
+    expected: int | None = None,
+) -> Path:
+    """One locust run; writes `<out>/<name>-requests.csv`, `<out>/<name>_stats.csv` (locust's),
+    `<out>/<name>-metrics/`. Returns the requests CSV. Ctrl-C stops locust before returning."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    models_file = out / f"{name}-models.txt"
+    models_file.write_text("\n".join(models or target.models) + "\n")
+    requests_csv = out / f"{name}-requests.csv"
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "1", "-r", "1",
+        "--host", target.router_url, "--run-time", f"{int(warmup + duration + 180)}s", "--stop-timeout", "30",
+        "--csv", str(out / name), "--only-summary", "--skip-log-setup", "--exit-code-on-error", "0",
+        "--api-key", target.api_key, "--models-file", str(models_file), "--mode", mode,
+        "--arrival-rate", str(rate), "--duration", str(duration), "--warmup", str(warmup),
+        "--concurrency", str(concurrency), "--distinct", str(distinct),
+        "--requests-csv", str(requests_csv), "--metrics-dir", str(out / f"{name}-metrics"),
+        "--replica-urls", ",".join(target.replica_urls), *workload.flags(),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    log = open(out / f"{name}-locust.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    total = expected if expected is not None else (int(rate * (warmup + duration)) if mode == "open" else None)
     try:
-        async with client.stream(
-            "POST", f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        ) as resp:
-            res = Result(
-                item.model,
-                resp.status_code == 200,
-                resp.status_code,
-                tier=resp.headers.get("x-adapter-tier", ""),
-                adapter_id=resp.headers.get("x-adapter-id", ""),
-                replica=resp.headers.get("x-replica-id", ""),
-            )
-            if resp.status_code != 200:
-                res.error = (await resp.aread()).decode(errors="replace")[:200]
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    res.ok, res.error = False, str(event["error"].get("message", ""))[:200]
-                    continue
-                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                    if res.ttft is None:
-                        res.ttft = time.perf_counter() - start
-                    res.tokens += 1
-            res.e2e = time.perf_counter() - start
-            return res
-    except httpx.HTTPError as e:
-        return Result(item.model, False, 0, error=f"{type(e).__name__}: {e}")
+        with tqdm(total=total, desc=name, unit="req", disable=not progress, leave=True) as bar:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                bar.update(max(0, _count_rows(requests_csv) - bar.n))
+            bar.update(max(0, _count_rows(requests_csv) - bar.n))
+    finally:
+        if proc.poll() is None:  # Ctrl-C (or any error) while it ran: stop it, keep what it wrote
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+    if proc.returncode != 0 or not requests_csv.exists():
+        tail = (out / f"{name}-locust.log").read_text(errors="replace")[-2000:]
+        raise LocustFailed(f"locust ({name}) exited with status {proc.returncode}:\n{tail}")
+    return requests_csv
 
 
-async def replay(url: str, api_key: str, items: list[WorkItem], progress=None, timeout: float = 120.0) -> Summary:
-    """Send every item at its arrival time (open loop: arrivals don't wait for answers)."""
-    summary = Summary()
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        start = time.perf_counter()
+def _count_rows(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return max(0, sum(1 for _ in f) - 1)
+    except OSError:
+        return 0
 
-        async def fire(item: WorkItem) -> None:
-            delay = item.at - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            summary.results.append(await _one(client, url, api_key, item))
-            if progress is not None:
-                progress.update(1)
 
-        await asyncio.gather(*(fire(i) for i in items))
-        summary.wall = time.perf_counter() - start
-    return summary
+# -- statistics ---------------------------------------------------------------------------
+
+
+def read_requests(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def _num(row: dict, key: str) -> float | None:
+    value = row.get(key, "")
+    return float(value) if value not in ("", None) else None
+
+
+def summarize(rows: list[dict], window_s: float) -> list[dict]:
+    """Measured rows -> one dict per group ("all", then each tier seen): counts and latency
+    percentiles in ms. Errors count in "all" (by kind) and in their tier when it is known."""
+    measured = [r for r in rows if r.get("phase", "measure") == "measure"]
+    groups: dict[str, list[dict]] = {"all": measured}
+    for r in measured:
+        if r.get("tier"):
+            groups.setdefault(r["tier"], []).append(r)
+    out = []
+    for name in ["all", *[t for t in TIERS if t in groups], *sorted(set(groups) - {"all", *TIERS})]:
+        rs = groups[name]
+        ok = [r for r in rs if not r.get("error")]
+        errors = Counter(r["error"] for r in rs if r.get("error"))
+        row = {"group": name, "requests": len(rs), "ok": len(ok), "errors": sum(errors.values()),
+               "errors_by_kind": ";".join(f"{k}={v}" for k, v in sorted(errors.items())),
+               "share": len(rs) / len(measured) if measured else math.nan,
+               "achieved_rate": len(rs) / window_s if window_s else math.nan,
+               "output_tokens_per_s": sum(int(r["output_tokens"] or 0) for r in ok) / window_s if window_s else math.nan}  # fmt: skip
+        for metric in ("ttft", "tpot", "e2e", "itl_max"):
+            vals = [v for r in ok if (v := _num(r, f"{metric}_s")) is not None]
+            for p in (50, 95, 99):
+                row[f"{metric}_p{p}_ms"] = 1000 * percentile(vals, p)
+        out.append(row)
+    return out
+
+
+def closed_throughput(rows: list[dict]) -> dict:
+    """Saturation throughput of a closed-loop step: output tokens of measured requests over the time
+    from the first measured send to the last measured answer."""
+    measured = [r for r in rows if r["phase"] == "measure" and not r["error"]]
+    if not measured:
+        return {"requests": 0, "errors": 0, "output_tokens_per_s": 0.0, "requests_per_s": 0.0}
+    start = min(float(r["sent_s"]) for r in measured)
+    end = max(float(r["sent_s"]) + float(r["e2e_s"]) for r in measured)
+    tokens = sum(int(r["output_tokens"]) for r in measured)
+    span = max(1e-9, end - start)
+    return {
+        "requests": len(measured),
+        "errors": sum(1 for r in rows if r["phase"] == "measure" and r["error"]),
+        "output_tokens_per_s": tokens / span,
+        "requests_per_s": len(measured) / span,
+        "ttft_p50_ms": 1000 * percentile([float(r["ttft_s"]) for r in measured], 50),
+        "tpot_p50_ms": 1000 * percentile([float(r["tpot_s"]) for r in measured if r["tpot_s"]], 50),
+    }
+
+
+# -- replica /metrics ---------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> tuple[float | None, dict[tuple[str, tuple], float]]:
+    """A /metrics exposition -> (scrape unix time, {(sample name, sorted labels): value})."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stamp = None
+    for line in text.splitlines()[:3]:
+        if line.startswith("# lorafarm-scrape-time "):
+            stamp = float(line.split()[-1])
+    samples = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    except ValueError:
+        pass
+    return stamp, samples
+
+
+def _total(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n in (name, name + "_total") and want <= set(ls))
+
+
+def cache_rates(metrics_dir: Path) -> dict:
+    """Hit rates and per-minute loads/evictions over the window, summed over the replicas scraped."""
+    d = defaultdict(float)
+    window = []
+    for start_file in sorted(metrics_dir.glob("replica*-start.prom")):
+        end_file = start_file.with_name(start_file.name.replace("-start", "-end"))
+        if not end_file.exists():
+            continue
+        t0, a = parse_metrics(start_file.read_text())
+        t1, b = parse_metrics(end_file.read_text())
+        if not a or not b:
+            continue
+        if t0 and t1:
+            window.append(t1 - t0)
+        for key, name, labels in [
+            ("hits", "lorafarm_adapter_slot_hits", {}),
+            ("misses", "lorafarm_adapter_slot_misses", {}),
+            ("ram_misses", "lorafarm_adapter_slot_misses", {"tier": "ram"}),
+            ("loads", "lorafarm_adapter_loads", {"outcome": "ok"}),
+            ("load_errors", "lorafarm_adapter_loads", {"outcome": "error"}),
+            ("evictions", "lorafarm_adapter_evictions", {"tier": "gpu"}),
+        ]:
+            d[key] += _total(b, name, **labels) - _total(a, name, **labels)
+    if not window:
+        return {"device_hit_rate": math.nan, "ram_hit_rate": math.nan, "loads_per_min": math.nan,
+                "evictions_per_min": math.nan, "load_errors": math.nan}  # fmt: skip
+    minutes = max(window) / 60.0
+    looked_up = d["hits"] + d["misses"]
+    return {
+        "device_hit_rate": d["hits"] / looked_up if looked_up else math.nan,
+        "ram_hit_rate": d["ram_misses"] / d["misses"] if d["misses"] else math.nan,
+        "loads_per_min": d["loads"] / minutes,
+        "evictions_per_min": d["evictions"] / minutes,
+        "load_errors": d["load_errors"],
+    }
+
+
+def append_csv(path: Path, rows: list[dict]) -> None:
+    """Append rows (header on first write); flushed at once so an interrupted run keeps them."""
+    if not rows:
+        return
+    new = not path.exists()
+    columns = list(rows[0])
+    if not new:
+        with open(path, newline="") as f:
+            columns = next(csv.reader(f), columns)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, columns, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)

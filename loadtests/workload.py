@@ -1,15 +1,26 @@
-"""Workload generator: a skewed adapter mix, realistic length distributions, Poisson arrivals.
+"""Workload generator: a skewed adapter mix, realistic length distributions, open-loop arrivals.
 
-A few customers send most requests (Zipf over adapters, exponent ~1.1 as in production traces);
-prompt and output lengths are log-normal, clipped to the model's context. Seeded: the same
-arguments give the same workload, so two runs (affinity vs random routing) replay identical traffic.
+- Adapter popularity is Zipf: the k-th most popular of n adapters gets weight k^-s / H(n, s)
+  (s = 1.1 by default, as in production traces; S-LoRA and SGLang sweep 0.8-1.5).
+- Prompt and output lengths are log-normal: length = exp(N(ln median, sigma^2)), clipped to
+  [1, cap]; or they are replayed in order from a CSV trace in the public Azure LLM inference trace
+  format (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+- Arrivals are a Poisson process at `rate` (exponential gaps of mean 1 / rate), or the trace's own
+  timestamps scaled so their mean rate is `rate`. Open loop: arrival times are fixed before the run
+  and never wait for answers, so a slow server sees a growing queue, not fewer requests.
+
+Seeded: the same arguments give the same workload, so two runs (affinity vs random routing)
+replay identical traffic.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import random
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
 from lorafarm.dev.adapters import random_prompts
 
@@ -28,35 +39,94 @@ class WorkloadSpec:
     duration: float = 30.0  # seconds
     zipf_s: float = 1.1
     prompt_words_median: int = 12
+    prompt_words_sigma: float = 0.6
+    prompt_words_cap: int = 400
     max_tokens_median: int = 16
+    max_tokens_sigma: float = 0.5
     max_tokens_cap: int = 64
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class TraceRow:
+    at: float  # seconds since the trace's first request
+    context_tokens: int
+    generated_tokens: int
+
+
 def zipf_weights(n: int, s: float) -> list[float]:
+    """P(rank k) = k^-s / sum_j j^-s for k = 1..n."""
     w = [1.0 / (k**s) for k in range(1, n + 1)]
     total = sum(w)
     return [x / total for x in w]
 
 
-def _lognormal_int(rng: random.Random, median: int, sigma: float, lo: int, hi: int) -> int:
+def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
     return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
 
 
-def generate(models: list[str], spec: WorkloadSpec) -> list[WorkItem]:
-    """Requests over `models` (most popular first), arriving as a Poisson process."""
+def _timestamp(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return datetime.fromisoformat(value.strip().replace(" ", "T", 1)[:26]).timestamp()
+
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """An Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens; timestamps as
+    seconds or ISO dates), sorted by time, timestamps relative to the first row."""
+    rows: list[tuple[float, int, int]] = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        fields = {name.lower(): name for name in reader.fieldnames or []}
+        need = ("timestamp", "contexttokens", "generatedtokens")
+        if not all(n in fields for n in need):
+            raise ValueError(f"{path}: a trace needs the columns TIMESTAMP, ContextTokens, GeneratedTokens")
+        for line in reader:
+            rows.append((_timestamp(line[fields["timestamp"]]), int(line[fields["contexttokens"]]),
+                         int(line[fields["generatedtokens"]])))  # fmt: skip
+    if not rows:
+        raise ValueError(f"{path}: the trace has no rows")
+    rows.sort()
+    t0 = rows[0][0]
+    return [TraceRow(t - t0, c, g) for t, c, g in rows]
+
+
+def generate(models: list[str], spec: WorkloadSpec, trace: list[TraceRow] | None = None) -> list[WorkItem]:
+    """Requests over `models` (most popular first) for `spec.duration` seconds.
+
+    Without a trace: Poisson arrivals at spec.rate, log-normal lengths. With one: its rows in order
+    (wrapping around), lengths from it (context tokens ~ prompt words, capped), gaps scaled so the
+    mean rate is spec.rate."""
     if not models:
         raise ValueError("no models to send requests to")
+    if spec.rate <= 0 or spec.duration <= 0:
+        raise ValueError("rate and duration must be positive")
     rng = random.Random(spec.seed)
     weights = zipf_weights(len(models), spec.zipf_s)
     words = " ".join(random_prompts(seed=spec.seed, count=200)).split()
+    gaps: list[float] = []
+    if trace:
+        # gap before row j is its distance to row j-1; the first row (and each wrap) gets the mean gap
+        span = trace[-1].at - trace[0].at
+        mean = span / (len(trace) - 1) if len(trace) > 1 and span > 0 else 1.0 / spec.rate
+        scale = (1.0 / spec.rate) / mean
+        gaps = [mean * scale] + [(b.at - a.at) * scale for a, b in zip(trace, trace[1:])]
     items: list[WorkItem] = []
     t = 0.0
+    i = 0
     while True:
-        t += rng.expovariate(spec.rate)
+        if trace:
+            row = trace[i % len(trace)]
+            t += gaps[i % len(trace)]
+            n_words = max(1, min(spec.prompt_words_cap, row.context_tokens))
+            max_tokens = max(1, min(spec.max_tokens_cap, row.generated_tokens))
+        else:
+            t += rng.expovariate(spec.rate)
+            n_words = _lognormal_int(rng, spec.prompt_words_median, spec.prompt_words_sigma, 1, spec.prompt_words_cap)
+            max_tokens = _lognormal_int(rng, spec.max_tokens_median, spec.max_tokens_sigma, 1, spec.max_tokens_cap)
         if t >= spec.duration:
             return items
-        n_words = _lognormal_int(rng, spec.prompt_words_median, 0.6, 1, 400)
+        i += 1
         prompt = " ".join(rng.choice(words) for _ in range(n_words))
-        max_tokens = _lognormal_int(rng, spec.max_tokens_median, 0.5, 1, spec.max_tokens_cap)
         items.append(WorkItem(t, rng.choices(models, weights)[0], prompt, max_tokens))

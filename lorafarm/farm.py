@@ -160,8 +160,9 @@ class Farm:
 
             self._say(f"generating the dev embedding model in {self.embedding_dir}")
             write_dev_embedding_model(self.embedding_dir, force=True)
-        self._say("preparing demo adapters (trained once with PEFT, then cached)")
-        write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
+        if self.demo_adapters:  # 0: no canaries (load tests upload synthetic adapters instead)
+            self._say("preparing demo adapters (trained once with PEFT, then cached)")
+            write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
         if not (self.keys_dir / "private.pem").exists():
             from archives.keys import generate_keypair
 
@@ -321,7 +322,8 @@ class Farm:
 
         previous = json.loads(self.farm_json.read_text()) if self.farm_json.exists() else {}
         tenants_before = {t["tenant_id"]: t for t in previous.get("tenants", [])}
-        markers = json.loads((self.adapters_dir / "markers.json").read_text())
+        markers_file = self.adapters_dir / "markers.json"
+        markers = json.loads(markers_file.read_text()) if self.demo_adapters and markers_file.exists() else {}
         async with RegistryClient(self.registry_url, self.admin_token) as reg:
             known = {t["tenant_id"] for t in await reg.list_tenants()}
             if DEMO_TENANT in known and DEMO_TENANT in tenants_before:

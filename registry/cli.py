@@ -214,6 +214,9 @@ def register(sub) -> None:
     p.add_argument("--base-model", default=None, help="served base model name or hash (default: the only one)")
     _connection_flags(p)
     p.set_defaults(func=_adapters_upload)
+    from loadtests.cli import add_synth_parser
+
+    add_synth_parser(adapters, _connection_flags)
     p = adapters.add_parser("list", help="list adapters (JSON)")
     p.add_argument("--tenant", default=None)
     _connection_flags(p)
