@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench loadtest isolation install dev clean
+.PHONY: serve test bench loadtest loadtest-docs isolation install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,22 @@ test: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest benchmarks --benchmark-only --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)
 
+# The load test (about 10 min on a 2-core box): a fresh farm of 2 replicas, 200 synthetic adapters
+# (no training), a 1/2/4 req/s sweep, the routing A/B and the 1/8/32-adapter throughput; results in
+# var/loadtest/ (untracked). LOADTEST_ARGS adds or overrides flags.
+LOADTEST_ARGS ?=
 loadtest: $(VENV)/.installed-dev
-	$(BIN)/lorafarm loadtest --ab
+	$(BIN)/lorafarm loadtest --replicas 2 --adapters 200 --slots 8 --rates 1,2,4 --duration 30 --warmup 10 \
+		--ab --throughput --out $(STATE_DIR)/loadtest --state-dir $(STATE_DIR)/loadtest-farm $(LOADTEST_ARGS)
+
+# The at-scale run behind docs/loadtests.md (about an hour on a 2-core box): 1,000 adapters, a sweep with
+# enough slots and one with too few (thrashing), A/B, throughput; then it rewrites docs/loadtests.md and
+# docs/loadtests/ (the only target that does).
+LOADTEST_DOCS_ARGS ?= --replicas 2 --adapters 1000 --slots 8,2 --rates 1,2,3,4,6 --duration 60 --warmup 15 \
+	--ab --throughput
+loadtest-docs: $(VENV)/.installed-dev
+	$(BIN)/lorafarm loadtest $(LOADTEST_DOCS_ARGS) --out $(STATE_DIR)/loadtest-docs --state-dir $(STATE_DIR)/loadtest-farm-docs
+	$(BIN)/lorafarm loadtest --report-from $(STATE_DIR)/loadtest-docs --to docs
 
 isolation: $(VENV)/.installed-dev
 	LORAFARM_ISOLATION_REQUESTS=10000 $(BIN)/python -m pytest tests/e2e -k isolation $(PYTEST_ARGS)

@@ -48,6 +48,8 @@ def _ints(value: str) -> list[int]:
 
 def _check(args: argparse.Namespace) -> None:
     """Bad input: one line, exit 2, before anything starts."""
+    args.rates = list(dict.fromkeys(args.rates))  # a rate twice would overwrite its own step files
+    args.slots = list(dict.fromkeys(args.slots))
     if any(r <= 0 or math.isinf(r) or math.isnan(r) for r in args.rates):
         raise CliError(f"--rates {','.join(f'{r:g}' for r in args.rates)}: every rate must be a positive number")
     for name in ("duration", "warmup", "throughput_duration"):

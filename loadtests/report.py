@@ -11,7 +11,6 @@ import csv
 import json
 import math
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 SLO_S = 1.0  # the product's promise: p95 time to first token under 1 s
@@ -254,9 +253,3 @@ def publish(results: Path, docs: Path, name: str = "loadtests") -> Path:
     md.write_text(text.replace("Raw data: ", f"Raw data (in {name}/): "))
     return md
 
-
-def group_by_run(rows: list[dict]) -> dict[str, list[dict]]:
-    out = defaultdict(list)
-    for r in rows:
-        out[r["run"]].append(r)
-    return dict(out)

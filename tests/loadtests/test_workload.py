@@ -2,8 +2,7 @@ from collections import Counter
 
 import pytest
 
-from loadtests.runner import Result, Summary
-from loadtests.workload import WorkloadSpec, generate, zipf_weights
+from loadtests.workload import WorkloadSpec, generate, read_trace, zipf_weights
 
 
 def test_same_seed_same_workload():
@@ -12,28 +11,61 @@ def test_same_seed_same_workload():
     assert generate(models, WorkloadSpec(seed=3)) != generate(models, WorkloadSpec(seed=4))
 
 
-def test_skewed_mix_and_rate():
+def test_skewed_mix_and_poisson_rate():
     models = [f"m{i}" for i in range(100)]
     items = generate(models, WorkloadSpec(rate=50, duration=100, seed=1))
-    assert 4500 < len(items) < 5500  # Poisson: 5,000 expected
+    assert 4500 < len(items) < 5500  # Poisson: 5,000 expected, sd ~71
     counts = Counter(i.model for i in items)
-    top = counts["m0"] / len(items)
-    assert abs(top - zipf_weights(100, 1.1)[0]) < 0.02
+    assert abs(counts["m0"] / len(items) - zipf_weights(100, 1.1)[0]) < 0.02
     assert counts["m0"] > 10 * counts.get("m50", 0)  # a few adapters carry most requests
     assert all(0 <= a.at < b.at < 100 for a, b in zip(items, items[1:]))
     assert all(1 <= i.max_tokens <= 64 for i in items)
+    gaps = [b.at - a.at for a, b in zip(items, items[1:])]
+    # exponential gaps: mean 1/rate and coefficient of variation 1 (a fixed pacing would give 0)
+    mean = sum(gaps) / len(gaps)
+    sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert mean == pytest.approx(0.02, rel=0.05)
+    assert sd / mean == pytest.approx(1.0, abs=0.1)
 
 
-def test_no_models_is_an_error():
+def test_zipf_exponent_controls_skew():
+    assert zipf_weights(5000, 1.1)[0] > zipf_weights(5000, 0.8)[0]
+    top250 = sum(zipf_weights(5000, 1.1)[:250])
+    assert top250 == pytest.approx(0.76, abs=0.02)  # the figure: top 250 of 5,000 carry 76%
+
+
+def test_lognormal_lengths_follow_their_medians():
+    items = generate(["m"], WorkloadSpec(rate=100, duration=50, seed=2, prompt_words_median=20,
+                                          max_tokens_median=30, max_tokens_cap=1000))  # fmt: skip
+    words = sorted(len(i.prompt.split()) for i in items)
+    outs = sorted(i.max_tokens for i in items)
+    assert words[len(words) // 2] == pytest.approx(20, abs=2)
+    assert outs[len(outs) // 2] == pytest.approx(30, abs=2)
+
+
+def test_trace_replay_lengths_and_scaled_gaps(tmp_path):
+    trace = tmp_path / "azure.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 18:15:{s:02d}.000000,{10 + s},{5 + s}" for s in (0, 2, 4, 10)]
+    trace.write_text("\n".join(rows) + "\n")
+    parsed = read_trace(trace)
+    assert [r.at for r in parsed] == [0, 2, 4, 10]
+    items = generate(["a", "b"], WorkloadSpec(rate=1.0, duration=7.5), parsed)
+    # mean gap of the trace is 10/3 s; scaled to 1 req/s: gaps 1, 0.6, 0.6, 1.8, then the trace again
+    assert [round(i.at, 3) for i in items] == [1.0, 1.6, 2.2, 4.0, 5.0, 5.6, 6.2]
+    assert [i.max_tokens for i in items] == [5, 7, 9, 15, 5, 7, 9]
+    assert [len(i.prompt.split()) for i in items[:4]] == [10, 12, 14, 20]
+
+
+def test_trace_without_the_columns_is_an_error(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,prompt\n1,2\n")
+    with pytest.raises(ValueError, match="ContextTokens"):
+        read_trace(bad)
+
+
+def test_no_models_or_no_rate_is_an_error():
     with pytest.raises(ValueError):
         generate([], WorkloadSpec())
-
-
-def test_summary_percentiles_and_tpot():
-    s = Summary([Result("m", True, 200, ttft=0.1 * k, e2e=0.1 * k + 0.9, tokens=10, tier="gpu") for k in range(1, 11)])
-    s.wall = 2.0
-    row = s.table()[0]
-    assert row["requests"] == 10
-    assert row["ttft_p50_ms"] == pytest.approx(500, abs=101)
-    assert row["tpot_p50_ms"] == pytest.approx(100)
-    assert s.output_tokens_per_s == 50
+    with pytest.raises(ValueError):
+        generate(["m"], WorkloadSpec(rate=0))
