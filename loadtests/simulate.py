@@ -40,7 +40,7 @@ import simpy
 from handler.slots import SlotPolicy
 from loadtests.workload import _lognormal_int, zipf_weights
 from lorafarm import capacity as cap
-from lorafarm.schemas import ReplicaState
+from lorafarm.schemas import HeldAdapter, ReplicaState
 from registry import placement
 from registry.settings import RegistrySettings
 from router.routing import RouteRequest, ViewSnapshot, choose
@@ -80,6 +80,8 @@ class SimConfig:
     warmup_s: float = 60.0
     slots: int = 250  # device slots (one rank pool of `rank`)
     rank: int = 16
+    rank_pools: dict[int, int] | None = None  # several pools {rank: slots} (overrides slots/rank)
+    adapter_ranks: tuple[int, ...] | None = None  # adapter i has rank adapter_ranks[i % len] (default: rank)
     routing: str = "affinity"  # affinity | random
     strategy: str = "least_tokens"
     owners_k: int = 2
@@ -121,11 +123,12 @@ class SimConfig:
 
 
 class Req:
-    __slots__ = ("arrival", "adapter", "prompt", "output", "est", "replica", "tier", "ttft", "hot", "counted")
+    __slots__ = ("arrival", "adapter", "rank", "prompt", "output", "est", "replica", "tier", "ttft", "hot")
 
-    def __init__(self, arrival: float, adapter: str, prompt: int, output: int, hot: bool = False):
+    def __init__(self, arrival: float, adapter: str, rank: int, prompt: int, output: int, hot: bool = False):
         self.arrival = arrival
         self.adapter = adapter
+        self.rank = rank
         self.prompt = prompt
         self.output = output
         self.est = prompt + output  # the router's cost estimate (prompt + max_tokens)
@@ -141,7 +144,7 @@ class SimReplica:
     def __init__(self, sim: Simulation, rid: str):
         c = sim.cfg
         self.sim, self.env, self.cfg, self.rid = sim, sim.env, c, rid
-        self.policy = SlotPolicy({c.rank: c.slots}, ram_bytes=c.ram_adapters * c.adapter_bytes,
+        self.policy = SlotPolicy(c.rank_pools or {c.rank: c.slots}, ram_bytes=c.ram_adapters * c.adapter_bytes,
                                  disk_bytes=c.disk_adapters * c.adapter_bytes, clock=lambda: self.env.now)
         self.ready: deque[Req] = deque()
         self.running: list[tuple[int, int, Req]] = []  # heap of (finish step, seq, request)
@@ -153,6 +156,10 @@ class SimReplica:
         self.slot_waiters: deque[Req] = deque()
         self.loader = simpy.Resource(self.env, capacity=c.load_concurrency)
         self.wake: simpy.Event | None = None
+        self._held = {t: HeldAdapter.model_construct(tier=t, expected_load_ms=1000 * c.load_s[t])
+                      for t in ("gpu", "ram", "disk")}
+        self._held_sig: tuple | None = None
+        self._held_state: tuple = ([], [], {})
         self.accepting = True
         self.busy_time = 0.0
         self.served_tokens = 0
@@ -164,24 +171,42 @@ class SimReplica:
     def tokens_in_flight(self) -> int:
         return self.waiting_tokens + self.sum_finish - len(self.running) * self.step
 
-    def state(self) -> ReplicaState:
-        p = self.policy
-        return ReplicaState(replica_id=self.rid, base_model_hash=BASE_HASH, models=[BASE_NAME],
-                            gpu_adapters=p.resident("gpu"), ram_adapters=p.resident("ram"),
-                            queue_depth=self.queued, running=len(self.running),
-                            tokens_in_flight=self.tokens_in_flight())
+    def _membership(self) -> tuple:
+        c = self.policy.counters
+        return (sum(c.loads.values()), c.evictions, c.ram_evictions, c.disk_evictions)
+
+    def state(self) -> tuple[ReplicaState, bool]:
+        """What `GET /internal/replicas/{id}/state` would answer (handler.LoraHandler.state), and
+        whether the held adapters changed since the last call (the router's derived sets then too)."""
+        p, c = self.policy, self.cfg
+        sig = self._membership()
+        changed = sig != self._held_sig
+        if changed:
+            held = {a: self._held["disk"] for a in p.resident("disk")}
+            held.update((a, self._held["ram"]) for a in p.resident("ram"))
+            held.update((a, self._held["gpu"]) for a in p.resident("gpu"))
+            self._held_state = (p.resident("gpu"), p.resident("ram"), held)
+            self._held_sig = sig
+        gpu, ram, held = self._held_state
+        st = ReplicaState.model_construct(
+            replica_id=self.rid, base_model_hash=BASE_HASH, models=[BASE_NAME], task="generate",
+            gpu_adapters=gpu, ram_adapters=ram, queue_depth=self.queued, running=len(self.running),
+            tokens_in_flight=self.tokens_in_flight(), evictions_per_min=0.0, loads_per_min=0.0, kv_cache_usage=0.0,
+            adapters=held, load_ms={t: 1000 * c.load_s[t] for t in ("ram", "disk", "remote")})
+        return st, changed
 
     # -- adapters ----------------------------------------------------------------------------
 
     def warm(self, owned: list[str]) -> None:
         """What the replica's start-up pull leaves: owned adapters on disk and in RAM, the first
-        `slots` of them mounted (idle)."""
+        ones mounted (idle) while their pool has free slots."""
         p, size = self.policy, self.cfg.adapter_bytes
-        for i, aid in enumerate(owned):
+        for aid in owned:
             p.put("disk", aid, size)
             p.put("ram", aid, size)
-            if i < self.cfg.slots:
-                plan = p.acquire(aid, self.cfg.rank, size, retry=True)
+            rank = self.sim.rank_of(aid)
+            if p.free_slots(p.pool_for(rank)) > 0:
+                plan = p.acquire(aid, rank, size, retry=True)
                 if plan.action == "load":
                     p.on_loaded(plan)
                     p.release(aid)
@@ -190,7 +215,7 @@ class SimReplica:
         req.replica = self.rid
         self.queued += 1
         self.waiting_tokens += req.est
-        plan = self.policy.acquire(req.adapter, self.cfg.rank, self.cfg.adapter_bytes)
+        plan = self.policy.acquire(req.adapter, req.rank, self.cfg.adapter_bytes)
         req.tier = plan.tier
         self._follow(req, plan)
 
@@ -211,7 +236,7 @@ class SimReplica:
         self.policy.on_loaded(plan)
         self._ready(req)
         for other in self.joiners.pop(req.adapter, ()):
-            self._follow(other, self.policy.acquire(other.adapter, self.cfg.rank, self.cfg.adapter_bytes,
+            self._follow(other, self.policy.acquire(other.adapter, other.rank, self.cfg.adapter_bytes,
                                                     retry=True))
 
     def _ready(self, req: Req) -> None:
@@ -223,7 +248,7 @@ class SimReplica:
         if self.policy.release(req.adapter) and self.slot_waiters:
             waiters, self.slot_waiters = self.slot_waiters, deque()
             for w in waiters:
-                self._follow(w, self.policy.acquire(w.adapter, self.cfg.rank, self.cfg.adapter_bytes, retry=True))
+                self._follow(w, self.policy.acquire(w.adapter, w.rank, self.cfg.adapter_bytes, retry=True))
         self.served_tokens += req.output
         self.sim.finished(req)
 
@@ -330,6 +355,12 @@ class Simulation:
         self.desired = cfg.replicas
         self.pending_starts = 0
 
+    def rank_of(self, adapter_id: str) -> int:
+        ranks = self.cfg.adapter_ranks
+        if not ranks or adapter_id == HOT_ADAPTER:
+            return ranks[0] if ranks else self.cfg.rank
+        return ranks[int(adapter_id[3:]) % len(ranks)]
+
     # -- fleet membership (registry table -> the router's view) ------------------------------
 
     def _table(self) -> dict:
@@ -373,8 +404,9 @@ class Simulation:
     def _poll_one(self, rep: SimReplica) -> None:
         e = self.view.replicas.get(rep.rid)
         if e is not None:  # what ReplicaView._poll_one does with a good answer
-            e.state = rep.state()  # (the router validates the JSON; here it is built directly)
-            e.derive()
+            e.state, changed = rep.state()  # (the router validates the JSON; here it is built directly)
+            if changed or e.state_at is None:
+                e.derive()  # (unchanged held adapters derive the same sets: skipped)
             e.state_ok = True
             e.state_at = self.env.now
             self._snaps.pop(rep.rid, None)
@@ -427,7 +459,7 @@ class Simulation:
             prompt = _lognormal_int(rng, p_med, PROMPT_SIGMA, 1, c.max_request_tokens - 1)
             output = _lognormal_int(rng, o_med, OUTPUT_SIGMA, 1, c.max_request_tokens - prompt)
             aid = HOT_ADAPTER if hot else self.adapter_ids[min(bisect.bisect(self.cum, rng.random()), c.adapters - 1)]
-            self.route(Req(self.env.now, aid, prompt, output, hot))
+            self.route(Req(self.env.now, aid, self.rank_of(aid), prompt, output, hot))
 
     def route(self, req: Req) -> None:
         k = self.owners_k.get(req.adapter, self.cfg.owners_k)
