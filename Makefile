@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench loadtest loadtest-docs isolation install dev clean
+.PHONY: serve test bench loadtest loadtest-docs scale isolation install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ LOADTEST_DOCS_ARGS ?= --replicas 2 --adapters 1000 --slots 8,2 --rates 1,2,3,4,6
 loadtest-docs: $(VENV)/.installed-dev
 	$(BIN)/lorafarm loadtest $(LOADTEST_DOCS_ARGS) --out $(STATE_DIR)/loadtest-docs --state-dir $(STATE_DIR)/loadtest-farm-docs
 	$(BIN)/lorafarm loadtest --report-from $(STATE_DIR)/loadtest-docs --to docs
+
+# the fleet simulator's study of the seed's questions: docs/scale.md + plots (~15 min on 2 cores)
+scale: $(VENV)/.installed-dev
+	$(BIN)/python -m loadtests.scale_study --out docs/scale.md
 
 isolation: $(VENV)/.installed-dev
 	LORAFARM_ISOLATION_REQUESTS=10000 $(BIN)/python -m pytest tests/e2e -k isolation $(PYTEST_ARGS)
