@@ -107,6 +107,7 @@ class SimConfig:
     gpu_price_per_h: float = 2.5
     seed: int = 0
     rate_curve: Callable[[float], float] | None = None  # t -> share of `rate` (0..1)
+    trace: tuple | None = None  # loadtests.workload.TraceRow rows: their gaps (scaled to `rate`) and lengths
     autoscale: AutoscaleConfig | None = None
     sample_s: float = 10.0  # time series resolution
     progress: bool = False
@@ -447,17 +448,29 @@ class Simulation:
         if peak <= 0:
             return
         curve = None if hot else c.rate_curve
-        t = 0.0
+        trace = None if hot else c.trace
+        if trace:  # the trace's gaps scaled to a mean rate of `rate`, as loadtests.workload.generate
+            span = trace[-1].at - trace[0].at
+            mean = span / (len(trace) - 1) if len(trace) > 1 and span > 0 else 1.0 / peak
+            gaps = [mean] + [b.at - a.at for a, b in zip(trace, trace[1:])]
+            scale = (1.0 / peak) / mean
+        t, i = 0.0, 0
         while True:
-            t += rng.expovariate(peak)
+            t += gaps[i % len(trace)] * scale if trace else rng.expovariate(peak)
             if t >= c.duration:
                 return
             if curve is not None and rng.random() > curve(t):
                 continue  # thinning: a non-homogeneous Poisson process
             if t > self.env.now:
                 yield self.env.timeout(t - self.env.now)
-            prompt = _lognormal_int(rng, p_med, PROMPT_SIGMA, 1, c.max_request_tokens - 1)
-            output = _lognormal_int(rng, o_med, OUTPUT_SIGMA, 1, c.max_request_tokens - prompt)
+            if trace:
+                row = trace[i % len(trace)]
+                i += 1
+                prompt = max(1, min(c.max_request_tokens - 1, row.context_tokens))
+                output = max(1, min(c.max_request_tokens - prompt, row.generated_tokens))
+            else:
+                prompt = _lognormal_int(rng, p_med, PROMPT_SIGMA, 1, c.max_request_tokens - 1)
+                output = _lognormal_int(rng, o_med, OUTPUT_SIGMA, 1, c.max_request_tokens - prompt)
             aid = HOT_ADAPTER if hot else self.adapter_ids[min(bisect.bisect(self.cum, rng.random()), c.adapters - 1)]
             self.route(Req(self.env.now, aid, self.rank_of(aid), prompt, output, hot))
 
@@ -616,7 +629,7 @@ class Simulation:
                    "max_owners": max(self.series["hot_owners"]) if self.series["hot_owners"] else c.owners_k,
                    "replicas_used": len({r.replica for r in done if r.hot})}
         return SimResult(
-            config={k: v for k, v in asdict(c).items() if k != "rate_curve"},
+            config={k: v for k, v in asdict(c).items() if k not in ("rate_curve", "trace")},
             requests=len(done),
             p50_ttft_s=float(np.percentile(ttft, 50)),
             p95_ttft_s=float(np.percentile(ttft, 95)),

@@ -56,6 +56,13 @@ def config_from_args(args: argparse.Namespace):
               progress=not args.json and not args.quiet)
     if args.ram_adapters is not None:
         kw["ram_adapters"] = args.ram_adapters
+    if args.trace:
+        from loadtests.workload import read_trace
+
+        try:
+            kw["trace"] = tuple(read_trace(args.trace))
+        except (OSError, ValueError, KeyError) as e:
+            raise CliError(f"--trace {args.trace}: {e}") from None
     if args.diurnal:
         kw["rate_curve"] = diurnal(args.diurnal)
     if args.autoscale:
@@ -143,6 +150,9 @@ def register(sub) -> None:
     p.add_argument("--ram-adapters", type=int, default=None, help="host RAM tier in adapters (default 385)")
     p.add_argument("--load-threshold-tokens", type=int, default=32_000,
                    help="router overload threshold, tokens in flight (default 32000: 32 x 1000-token requests)")
+    p.add_argument("--trace", default=None, metavar="CSV",
+                   help="arrival gaps (scaled to --rate) and lengths from an Azure LLM trace CSV "
+                        "(TIMESTAMP,ContextTokens,GeneratedTokens; loadtests.workload.read_trace)")
     p.add_argument("--hot-tokens-per-s", type=float, default=0.0, help="add a hot tenant at this many output tok/s")
     p.add_argument("--diurnal", type=float, default=None, metavar="PERIOD_S",
                    help="rate follows a day compressed into PERIOD_S seconds (25%% .. 100%% of --rate)")

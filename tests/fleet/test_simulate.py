@@ -82,3 +82,15 @@ def test_autoscaler_follows_a_diurnal_curve():
     reps = r.series["replicas"]
     assert max(reps) > 2  # scaled up for the peak in the middle
     assert reps[-1] < max(reps)  # and back down after it
+
+
+def test_trace_drives_arrivals_and_lengths(tmp_path, capsys):
+    """A trace (Azure LLM format) sets the gaps (scaled to --rate) and the lengths."""
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"] + [f"{i * 0.5},{40 + i % 7},{5 + i % 3}" for i in range(50)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    assert main(["simulate", "--replicas", "2", "--adapters", "50", "--rate", "4", "--duration", "60",
+                 "--slots", "10", "--warmup", "10", "--trace", str(tmp_path / "t.csv"), "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 150 <= last["requests"] <= 250  # ~4 req/s over the 50 measured seconds (warm-up 10 s)
+    assert last["output_tokens_per_s"] == pytest.approx(4 * 6, rel=0.25)  # generated tokens 5..7
+    assert main(["simulate", "--trace", str(tmp_path / "missing.csv")]) == 2
