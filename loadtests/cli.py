@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtests.workload import add_workload_arguments
 from lorafarm.errors import CliError
 
 ROUTING_ARGS = {"affinity": [], "random": ["--strategy", "random", "--no-affinity"]}
@@ -204,9 +205,9 @@ def _conditions() -> str:
 
 
 def _step_rows(run: str, rate: float, csv_path: Path, metrics_dir: Path, meta: dict) -> list[dict]:
-    from loadtests.runner import cache_rates, read_requests, summarize
+    from loadtests.runner import cache_rates, cpu_use, read_requests, summarize
 
-    rates = cache_rates(metrics_dir)
+    rates = {**cache_rates(metrics_dir), **cpu_use(metrics_dir)}
     rows = []
     for g in summarize(read_requests(csv_path), meta["duration"]):
         rows.append({"run": run, "rate": rate, **g, **rates, "replicas": meta["replicas"], "slots": meta["slots"],
@@ -235,21 +236,20 @@ def _loadtest(args: argparse.Namespace) -> int:
         return 0
     _check(args)
     from loadtests.report import write_report
-    from loadtests.runner import Workload, append_csv, closed_throughput, read_requests, run_locust
+    from loadtests.runner import append_csv, closed_throughput, read_requests, run_locust
+    from loadtests.workload import workload_options
 
     out = Path(args.out)
     steps_dir = out / "steps"
     steps_dir.mkdir(parents=True, exist_ok=True)
     for f in ("sweep.csv", "ab.csv", "throughput.csv", "report.md"):
         (out / f).unlink(missing_ok=True)
-    workload = Workload(zipf=args.zipf, seed=args.seed, prompt_median=args.prompt_median,
-                        prompt_sigma=args.prompt_sigma, output_median=args.output_median,
-                        output_sigma=args.output_sigma, output_cap=args.output_cap, trace=args.trace or "")  # fmt: skip
+    workload = workload_options(args)
     meta = {
         "command": "lorafarm loadtest " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "conditions": _conditions(),
-        "workload": {k: v for k, v in vars(workload).items()},
+        "workload": workload,
         "warmup": args.warmup, "duration": args.duration, "rates": args.rates, "runs": {},
     }  # fmt: skip
     session = _Session(args)
@@ -270,7 +270,7 @@ def _loadtest(args: argparse.Namespace) -> int:
             step_meta = {"replicas": args.replicas if starts_farm else len(target.replica_urls) or "?",
                          "slots": slots if starts_farm else "?", "adapters": len(target.models),
                          "routing": args.routing if starts_farm else "as configured", "zipf": args.zipf,
-                         "warmup": args.warmup, "duration": args.duration, **vars(workload)}  # fmt: skip
+                         "warmup": args.warmup, "duration": args.duration, **workload}  # fmt: skip
             meta["runs"][run] = {k: step_meta[k] for k in ("replicas", "slots", "routing", "adapters")}
             save_meta()
             for rate in args.rates:
@@ -354,14 +354,7 @@ def register(sub) -> None:
     g.add_argument("--rates", type=_floats, default=[1.0, 2.0, 4.0], help="requests/s per step (default 1,2,4)")
     g.add_argument("--duration", type=float, default=30.0, help="measured seconds per step (default 30)")
     g.add_argument("--warmup", type=float, default=10.0, help="unmeasured seconds before each step (default 10)")
-    g.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of adapter popularity (default 1.1)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prompt-median", type=float, default=12, help="log-normal prompt words: median (12)")
-    g.add_argument("--prompt-sigma", type=float, default=0.6)
-    g.add_argument("--output-median", type=float, default=16, help="log-normal output tokens: median (16)")
-    g.add_argument("--output-sigma", type=float, default=0.5)
-    g.add_argument("--output-cap", type=int, default=64)
-    g.add_argument("--trace", default=None, help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
+    add_workload_arguments(g)
     g = p.add_argument_group("extra runs")
     g.add_argument("--ab", action="store_true", help="routing A/B: affinity vs random, same seeded replay")
     g.add_argument("--ab-rate", type=float, default=None, help="A/B rate (default: highest passing swept rate)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import time
 import urllib.request
 from pathlib import Path
@@ -35,7 +36,7 @@ import gevent.pool
 from locust import HttpUser, constant, events, task
 from urllib3 import PoolManager
 
-from loadtests.workload import WorkloadSpec, generate, read_trace
+from loadtests.workload import add_workload_arguments, generate, read_trace, spec_from_options, workload_options
 
 REQUEST_COLUMNS = [
     "phase", "sent_s", "model", "tier", "replica", "adapter_id", "status", "error", "ttft_s", "tpot_s",
@@ -52,14 +53,7 @@ def _options(parser) -> None:
     g.add_argument("--arrival-rate", type=float, default=1.0, help="open loop: requests per second (Poisson)")
     g.add_argument("--duration", type=float, default=30.0, help="measured seconds (after the warm-up)")
     g.add_argument("--warmup", type=float, default=10.0, help="seconds sent first and not measured")
-    g.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of adapter popularity")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prompt-median", type=float, default=12, help="log-normal prompt words: median")
-    g.add_argument("--prompt-sigma", type=float, default=0.6)
-    g.add_argument("--output-median", type=float, default=16, help="log-normal output tokens: median")
-    g.add_argument("--output-sigma", type=float, default=0.5)
-    g.add_argument("--output-cap", type=int, default=64)
-    g.add_argument("--trace", default="", help="Azure LLM trace CSV: replay its lengths and arrival gaps")
+    add_workload_arguments(g)
     g.add_argument("--concurrency", type=int, default=32, help="closed loop: requests in flight")
     g.add_argument("--distinct", type=int, default=1, help="closed loop: distinct models in flight")
     g.add_argument("--requests-csv", default="", help="write one row per request here")
@@ -68,17 +62,17 @@ def _options(parser) -> None:
     g.add_argument("--request-timeout", type=float, default=120.0)
 
 
-def _spec(o, rate: float, duration: float) -> WorkloadSpec:
-    return WorkloadSpec(
-        rate=rate, duration=duration, zipf_s=o.zipf, seed=o.seed,
-        prompt_words_median=o.prompt_median, prompt_words_sigma=o.prompt_sigma,
-        max_tokens_median=o.output_median, max_tokens_sigma=o.output_sigma, max_tokens_cap=o.output_cap,
-    )  # fmt: skip
-
-
 def _scrape(urls: list[str], folder: Path, label: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.time()
+    # what bounds the rate: the machine's CPU (/proc/stat) and this load generator's own share
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        machine = Path("/proc/stat").read_text().splitlines()[0]
+    except OSError:
+        machine = ""
+    (folder / f"cpu-{label}.json").write_text(json.dumps({"time": stamp, "proc_stat_cpu": machine,
+                                                          "loadgen_cpu_s": usage.ru_utime + usage.ru_stime}))  # fmt: skip
     for i, url in enumerate(urls):
         try:
             with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
@@ -226,7 +220,7 @@ class FarmClient(HttpUser):
     def _open_loop(self) -> None:
         o = self.o
         trace = read_trace(o.trace) if o.trace else None
-        items = generate(self.models, _spec(o, o.arrival_rate, o.warmup + o.duration), trace)
+        items = generate(self.models, spec_from_options(workload_options(o), o.arrival_rate, o.warmup + o.duration), trace)
         pool = gevent.pool.Pool()
         started = o.warmup <= 0
         if started:
@@ -248,7 +242,7 @@ class FarmClient(HttpUser):
     def _closed_loop(self) -> None:
         o = self.o
         models = self.models[: max(1, o.distinct)]
-        items = generate(self.models, _spec(o, 1.0, 2000.0))  # lengths only: arrival times unused
+        items = generate(self.models, spec_from_options(workload_options(o), 1.0, 2000.0))  # lengths only: arrival times unused
         end = o.warmup + o.duration
         counter = iter(range(10**9))
 

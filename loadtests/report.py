@@ -74,7 +74,7 @@ def _sweep_table(sweep: list[dict], run: str) -> list[str]:
     tiers = [t for t in TIER_ORDER[1:] if any(t in g for g in by_step.values())]
     head = ["rate req/s", "sent req/s", "requests", "errors", "TTFT p50", "TTFT p95", "TTFT p99"]
     head += [f"{t} p50/p95 (n)" for t in tiers]
-    head += ["TPOT p50/p95", "device hit", "RAM hit", "loads/min", "evictions/min", "errors by kind"]
+    head += ["TPOT p50/p95", "device hit", "RAM hit", "loads/min", "evictions/min", "CPU busy", "errors by kind"]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for (_, rate), g in by_step.items():
         a = g["all"]
@@ -85,7 +85,7 @@ def _sweep_table(sweep: list[dict], run: str) -> list[str]:
             cells.append(f"{_ms(row['ttft_p50_ms'])}/{_ms(row['ttft_p95_ms'])} ({row['requests']})" if row else "-")
         cells += [f"{_ms(a['tpot_p50_ms'])}/{_ms(a['tpot_p95_ms'])}", _pct(a["device_hit_rate"]),
                   _pct(a["ram_hit_rate"]), _num(a["loads_per_min"]), _num(a["evictions_per_min"]),
-                  a.get("errors_by_kind") or "none"]  # fmt: skip
+                  _pct(a.get("cpu_busy")), a.get("errors_by_kind") or "none"]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -202,7 +202,8 @@ def render(results: Path, assets: str = "") -> str:
                   f"{'none of the rates swept' if best is None else f'{best:g} req/s'}.**", ""]  # fmt: skip
         lines += ["TTFT and TPOT in ms. Device hit: requests whose adapter was in a device slot; RAM hit: device "
                   "misses served from host RAM; loads and evictions are device-slot loads/evictions per minute "
-                  "summed over the replicas.", ""]  # fmt: skip
+                  "summed over the replicas. CPU busy: the whole machine's CPU use over the window (all cores, "
+                  "/proc/stat), everything included (farm, load generator, other jobs).", ""]  # fmt: skip
     if ab:
         lines += ["## Routing A/B (same seeded replay)", "",
                   "| routing | rate | requests | errors | TTFT p50 | TTFT p95 | TTFT p99 | device hit | RAM hit | "

@@ -16,6 +16,7 @@ Locust runs in its own process because it monkey-patches the standard library wi
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -24,6 +25,8 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from loadtests.workload import workload_flags
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 REPO = Path(__file__).resolve().parent.parent
@@ -41,24 +44,6 @@ class Target:
     base_model: str = ""
 
 
-@dataclass
-class Workload:
-    zipf: float = 1.1
-    seed: int = 0
-    prompt_median: float = 12
-    prompt_sigma: float = 0.6
-    output_median: float = 16
-    output_sigma: float = 0.5
-    output_cap: int = 64
-    trace: str = ""
-
-    def flags(self) -> list[str]:
-        out = ["--zipf", str(self.zipf), "--seed", str(self.seed), "--prompt-median", str(self.prompt_median),
-               "--prompt-sigma", str(self.prompt_sigma), "--output-median", str(self.output_median),
-               "--output-sigma", str(self.output_sigma), "--output-cap", str(self.output_cap)]  # fmt: skip
-        return out + (["--trace", self.trace] if self.trace else [])
-
-
 class LocustFailed(RuntimeError):
     pass
 
@@ -72,7 +57,7 @@ def run_locust(
     rate: float = 1.0,
     duration: float = 30.0,
     warmup: float = 10.0,
-    workload: Workload = Workload(),
+    workload: dict | None = None,
     concurrency: int = 32,
     distinct: int = 1,
     models: list[str] | None = None,
@@ -95,7 +80,7 @@ def run_locust(
         "--arrival-rate", str(rate), "--duration", str(duration), "--warmup", str(warmup),
         "--concurrency", str(concurrency), "--distinct", str(distinct),
         "--requests-csv", str(requests_csv), "--metrics-dir", str(out / f"{name}-metrics"),
-        "--replica-urls", ",".join(target.replica_urls), *workload.flags(),
+        "--replica-urls", ",".join(target.replica_urls), *workload_flags(workload or {}),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     log = open(out / f"{name}-locust.log", "w")
@@ -260,6 +245,23 @@ def cache_rates(metrics_dir: Path) -> dict:
         "evictions_per_min": d["evictions"] / minutes,
         "load_errors": d["load_errors"],
     }
+
+
+def cpu_use(metrics_dir: Path) -> dict:
+    """Over the window: the machine's busy CPU fraction (all cores, from /proc/stat: 1 - (idle + iowait)
+    / total) and the load generator's CPU seconds per second (its share of that)."""
+    try:
+        a = json.loads((metrics_dir / "cpu-start.json").read_text())
+        b = json.loads((metrics_dir / "cpu-end.json").read_text())
+        ta = [int(x) for x in a["proc_stat_cpu"].split()[1:]]
+        tb = [int(x) for x in b["proc_stat_cpu"].split()[1:]]
+    except (OSError, ValueError, KeyError):
+        return {"cpu_busy": math.nan, "loadgen_cpu": math.nan}
+    total = sum(tb) - sum(ta)
+    idle = (tb[3] + tb[4]) - (ta[3] + ta[4])
+    span = b["time"] - a["time"]
+    return {"cpu_busy": 1 - idle / total if total else math.nan,
+            "loadgen_cpu": (b["loadgen_cpu_s"] - a["loadgen_cpu_s"]) / span if span > 0 else math.nan}
 
 
 def append_csv(path: Path, rows: list[dict]) -> None:

@@ -54,6 +54,51 @@ class TraceRow:
     generated_tokens: int
 
 
+# The workload's shape options, shared by `lorafarm loadtest` and the locustfile (which it passes them to).
+WORKLOAD_OPTIONS = (
+    ("--zipf", float, 1.1, "Zipf exponent of adapter popularity (default 1.1)"),
+    ("--seed", int, 0, "workload seed: same seed, same requests (default 0)"),
+    ("--prompt-median", float, 12, "log-normal prompt length in words: median (default 12)"),
+    ("--prompt-sigma", float, 0.6, "log-normal prompt length: sigma of its log (default 0.6)"),
+    ("--output-median", float, 16, "log-normal output tokens: median (default 16)"),
+    ("--output-sigma", float, 0.5, "log-normal output tokens: sigma of its log (default 0.5)"),
+    ("--output-cap", int, 64, "output tokens at most (default 64)"),
+    ("--trace", str, "", "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens): lengths and gaps"),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_workload_arguments(group) -> None:
+    for flag, kind, default, text in WORKLOAD_OPTIONS:
+        group.add_argument(flag, type=kind, default=default, help=text)
+
+
+def workload_options(args) -> dict:
+    """{dest: value} of the shape options in parsed `args`."""
+    return {_dest(flag): getattr(args, _dest(flag)) for flag, *_ in WORKLOAD_OPTIONS}
+
+
+def workload_flags(options: dict) -> list[str]:
+    """The command-line flags that give these options to another parser (the locustfile's)."""
+    out = []
+    for flag, *_ in WORKLOAD_OPTIONS:
+        value = options.get(_dest(flag))
+        if value not in (None, ""):
+            out += [flag, str(value)]
+    return out
+
+
+def spec_from_options(options: dict, rate: float, duration: float) -> WorkloadSpec:
+    o = options
+    return WorkloadSpec(rate=rate, duration=duration, zipf_s=o["zipf"], seed=o["seed"],
+                        prompt_words_median=o["prompt_median"], prompt_words_sigma=o["prompt_sigma"],
+                        max_tokens_median=o["output_median"], max_tokens_sigma=o["output_sigma"],
+                        max_tokens_cap=o["output_cap"])  # fmt: skip
+
+
 def zipf_weights(n: int, s: float) -> list[float]:
     """P(rank k) = k^-s / sum_j j^-s for k = 1..n."""
     w = [1.0 / (k**s) for k in range(1, n + 1)]
