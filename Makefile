@@ -49,7 +49,7 @@ loadtest: $(VENV)/.installed-dev
 # The at-scale run behind docs/loadtests.md (about an hour on a 2-core box): 1,000 adapters, a sweep with
 # enough slots and one with too few (thrashing), A/B, throughput; then it rewrites docs/loadtests.md and
 # docs/loadtests/ (the only target that does).
-LOADTEST_DOCS_ARGS ?= --replicas 2 --adapters 1000 --slots 8,2 --rates 1,2,3,4,6 --duration 60 --warmup 15 \
+LOADTEST_DOCS_ARGS ?= --replicas 2 --adapters 1000 --slots 32,2 --rates 0.5,1,2,4,6 --duration 40 --warmup 10 \
 	--ab --throughput
 loadtest-docs: $(VENV)/.installed-dev
 	$(BIN)/lorafarm loadtest $(LOADTEST_DOCS_ARGS) --out $(STATE_DIR)/loadtest-docs --state-dir $(STATE_DIR)/loadtest-farm-docs
