@@ -13,7 +13,8 @@ Grammar strings are built once per schema (`lru_cache` on the canonical JSON) an
 matcher is built once per grammar and deep-copied for every request (`new_matcher`).
 
 The mask: each constrained row's matcher fills one int32 bitmask row (bit t of word t // 32 set =
-token t allowed); `allowed_tokens` unpacks them all at once into a bool [R, V] tensor.
+token t allowed), all rows in parallel on llguidance's thread pool; `allowed_tokens` unpacks them
+at once into a bool [R, V] tensor. Sampled tokens advance the matchers in one parallel call too.
 
 Tool calls use the Hermes/Qwen2 syntax, one call per block:
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
@@ -22,12 +23,15 @@ Tool calls use the Hermes/Qwen2 syntax, one call per block:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from functools import lru_cache
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -145,21 +149,46 @@ def check_grammar(grammar: str, tokenizer, vocab_size: int) -> str | None:
 
 
 _BITS = None
+_EXECUTOR = None
+
+
+def _executor():
+    """llguidance's thread pool: the rows' masks are computed in parallel, outside the GIL."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from llguidance import LLExecutor
+
+        _EXECUTOR = LLExecutor()
+    return _EXECUTOR
+
+
+def consume(matchers_tokens: list[tuple]) -> None:
+    """Advance each (matcher, token) pair at once (in parallel)."""
+    if matchers_tokens:
+        from llguidance.torch import consume_token_par
+
+        consume_token_par(_executor(), matchers_tokens)
 
 
 def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
-    """bool [len(matchers), vocab_size]: the tokens each matcher allows next. A matcher in an error
-    state (it should not happen) allows nothing; the caller's EOS handling ends such a row."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+    """bool [len(matchers), vocab_size]: the tokens each matcher allows next (a matcher in an error
+    state, which should not happen, allows everything, with a warning)."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
     global _BITS
     words = allocate_token_bitmask(len(matchers), vocab_size)
-    for i, m in enumerate(matchers):
-        fill_next_token_bitmask(m, words, i)
+    fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], words)
     if _BITS is None:
         _BITS = torch.arange(32, dtype=torch.int32)
     bits = (words.unsqueeze(-1) >> _BITS) & 1  # [R, W, 32], little-endian within a word
-    return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
+    allowed = bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
+    stuck = ~allowed.any(dim=-1)
+    if bool(stuck.any()):  # a matcher in an error state: let the row run out rather than sample from nothing
+        for i in stuck.nonzero().flatten().tolist():
+            log.warning("grammar matcher allows no token (%s); the row is unconstrained from here",
+                        matchers[i].get_error())
+        allowed[stuck] = True
+    return allowed
 
 
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)

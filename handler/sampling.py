@@ -139,9 +139,9 @@ class RowState:
             self.prompt_seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
         self.logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
-    def accept(self, token: int) -> None:
-        """Advance past a sampled token: grammar state and output counts."""
-        if self.matcher is not None:
+    def accept(self, token: int, grammar: bool = True) -> None:
+        """Advance past a sampled token: grammar state (unless the caller did) and output counts."""
+        if grammar and self.matcher is not None:
             self.matcher.consume_token(token)
         if self.counts is not None:
             self.counts[token] += 1.0
@@ -259,7 +259,12 @@ def sample(
         for j, i in enumerate(lp_rows):
             k = params[i].logprobs
             states[i].logprobs = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+    grammar_rows = [(s.matcher, t) for s, t in zip(states, tokens) if s.matcher is not None]
+    if grammar_rows:
+        from handler.constrained import consume
+
+        consume(grammar_rows)
     for s, t in zip(states, tokens):
-        s.accept(t)
+        s.accept(t, grammar=False)
     return tokens
 

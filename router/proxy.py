@@ -122,8 +122,8 @@ class UsageScanner:
 
 
 def _has_token(payload: bytes) -> bool:
-    """Does this chunk carry generated text (not just the role, an empty delta or usage)?"""
-    if b'"content"' not in payload and b'"text"' not in payload:
+    """Does this chunk carry generated text or a tool call (not just the role, an empty delta or usage)?"""
+    if b'"content"' not in payload and b'"text"' not in payload and b'"tool_calls"' not in payload:
         return False
     try:
         obj = json.loads(payload)
@@ -134,7 +134,7 @@ def _has_token(payload: bytes) -> bool:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        if isinstance(delta, dict) and delta.get("content"):
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
             return True
         if choice.get("text"):
             return True
