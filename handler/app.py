@@ -214,14 +214,14 @@ class ReplicaService:
         lar.parent.mkdir(parents=True, exist_ok=True)
         if not await source.exists(aid):
             raise RuntimeError(f"merged adapter {aid} is not known to the registry/catalog")
-        await source.fetch(aid, lar)
+        got = await source.fetch(aid, lar) or lar  # a local store hands back its own file, read in place
         import shutil
 
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
-        await asyncio.to_thread(extract_archive, lar, dest, trusted, base_model_hash=base_hash,
+        await asyncio.to_thread(extract_archive, got, dest, trusted, base_model_hash=base_hash,
                                 max_rank=ctx.limits.rank_limit)
-        lar.unlink(missing_ok=True)
+        lar.unlink(missing_ok=True)  # only our download, never the store's file
         return dest
 
     async def stop(self) -> None:

@@ -54,16 +54,18 @@ class Catalog:
     def _refresh(self) -> None:
         if self._built_for == self.view.catalog_version:
             return
+        table = self.view.table
         served: dict[str, str] = {}  # model name -> base_model_hash of a replica serving it
         for e in self.view.routable():
             models = list(e.state.models) if e.state is not None and e.state.models else list(e.models)
             h = (e.state.base_model_hash if e.state is not None else "") or e.base_model_hash
             for m in models:
-                served.setdefault(m, h)
-        table = self.view.table
+                if m not in table.adapters:  # a merged-mode replica's adapter is its tenant's, not a base
+                    served.setdefault(m, h)
         hash_names: dict[str, str] = {}
         for name, h in sorted(table.base_models.items()):
-            hash_names.setdefault(h, name)
+            if name not in table.adapters:
+                hash_names.setdefault(h, name)
         for name, h in sorted(served.items()):
             if h:
                 hash_names.setdefault(h, name)

@@ -71,6 +71,7 @@ class ReplicaSnapshot:
     queue_depth: int = 0
     healthy: bool = True  # False after N health checks failed in a row
     state_fresh: bool = True  # False: last state fetch failed; lists above are the last known
+    only_adapter: str | None = None  # a merged-mode replica: it serves this adapter and nothing else
 
     def expected_load_ms(self, adapter_id: str, tier: str) -> float:
         """What a request for `adapter_id` waits for its load here, from `tier` (gpu/ram/disk/remote)."""
@@ -81,6 +82,8 @@ class ReplicaSnapshot:
         return self.tier_load_ms.get(tier, DEFAULT_LOAD_MS[tier])
 
     def serves(self, request: RouteRequest) -> bool:
+        if self.only_adapter is not None:  # same base hash, but the base weights carry one adapter
+            return request.adapter_id == self.only_adapter
         if request.base_model_hash and self.base_model_hash == request.base_model_hash:
             return True
         return bool(request.model_name) and request.model_name in self.models

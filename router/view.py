@@ -67,9 +67,11 @@ class ReplicaEntry:
         self._load_ms = {a: h.expected_load_ms for a, h in held.items() if h.tier in ("ram", "disk")}
         self._hash = (st.base_model_hash if st and st.base_model_hash else "") or self.base_model_hash
 
-    def snapshot(self, health_failures_limit: int) -> ReplicaSnapshot:
+    def snapshot(self, health_failures_limit: int, adapter_ids=()) -> ReplicaSnapshot:
+        """`adapter_ids`: the registry's adapters; a replica whose models name one is in merged mode."""
         st = self.state
         return ReplicaSnapshot(
+            only_adapter=next((m for m in sorted(self._models) if m in adapter_ids), None),
             replica_id=self.replica_id,
             url=self.url,
             base_model_hash=self._hash,
@@ -219,7 +221,7 @@ class ReplicaView:
         self.catalog_version += 1
         if self.metrics:
             for e in self.replicas.values():
-                self.metrics.observe_replica(e.snapshot(self.health_failures))
+                self.metrics.observe_replica(e.snapshot(self.health_failures, self.table.adapters))
 
     def cancel_polls(self) -> None:
         for t in self._polls.values():
@@ -299,7 +301,7 @@ class ReplicaView:
 
     def snapshot(self) -> ViewSnapshot:
         return ViewSnapshot(
-            replicas=tuple(e.snapshot(self.health_failures) for e in self.replicas.values()),
+            replicas=tuple(e.snapshot(self.health_failures, self.table.adapters) for e in self.replicas.values()),
             load_threshold_tokens=self.load_threshold_tokens,
             load_threshold_queue=self.load_threshold_queue,
         )

@@ -115,9 +115,11 @@ class RoutingController(Controller):
                 )).all() if as_utc(at) > since
             ]  # fmt: skip
         base_models = {b.name: b.hash for b in ctx.base_models.values()}
+        adapter_ids = {a for a, *_ in adapters}
         for r in replicas:
             for m in r.models or []:
-                base_models.setdefault(m, r.base_model_hash)
+                if m not in adapter_ids:  # a merged-mode replica names its adapter: not a base model
+                    base_models.setdefault(m, r.base_model_hash)
         for h, name in known.items():
             if name and name not in base_models:
                 base_models[name] = h

@@ -276,3 +276,16 @@ def test_expected_ttft_keeps_possibly_warm_and_spill():
                                   rep(free[1], tokens=100), rep(free[2], tokens=50)), load_threshold_tokens=4096)
     ranked = choose(req(k=1), view)
     assert ids(ranked)[0] == free[2] and ranked[0].route_class == "spill"
+
+
+def test_merged_replica_serves_only_its_adapter():
+    """Same base hash, but a merged-mode replica takes only requests for its merged adapter."""
+    plain = ReplicaSnapshot("r0", base_model_hash="h", models=frozenset({"base"}))
+    merged = ReplicaSnapshot("rm", base_model_hash="h", models=frozenset({"ad-1"}), only_adapter="ad-1",
+                             gpu_adapters=frozenset({"ad-1"}))
+    base = [r.replica_id for r in choose(RouteRequest(base_model_hash="h", model_name="base"), [plain, merged])]
+    assert base == ["r0"]
+    other = [r.replica_id for r in choose(RouteRequest(adapter_id="ad-2", base_model_hash="h"), [plain, merged])]
+    assert other == ["r0"]
+    own = [r.replica_id for r in choose(RouteRequest(adapter_id="ad-1", base_model_hash="h"), [plain, merged])]
+    assert own[0] == "rm" and set(own) == {"r0", "rm"}
