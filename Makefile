@@ -62,5 +62,9 @@ scale: $(VENV)/.installed-dev
 isolation: $(VENV)/.installed-dev
 	LORAFARM_ISOLATION_REQUESTS=10000 $(BIN)/python -m pytest tests/e2e -k isolation $(PYTEST_ARGS)
 
+# the soak of tests/reliability/test_soak.py for 10 minutes (CI runs it for 60 s); summary in var/soak.json
+soak: $(VENV)/.installed-dev
+	LORAFARM_SOAK_S=600 LORAFARM_SOAK_OUT=$(STATE_DIR)/soak.json $(BIN)/python -m pytest tests/reliability/test_soak.py -s $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
