@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench loadtest loadtest-docs scale isolation install dev clean
+.PHONY: serve test bench loadtest loadtest-docs scale isolation soak install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
