@@ -92,6 +92,10 @@ print(f"  ({time.time() - t0:.0f} s)")
 sys.exit(0 if ok else 1)
 EOF
 
+echo "== 1b/2 OpenAI features on cuda: constrained rows (llguidance masks built on CPU, applied on"
+echo "   the device) mixed with free rows, logprobs vs transformers + PEFT, seeded choices"
+timeout 300 "$PY" -m pytest tests/handler/test_constrained.py -p no:cacheprovider -q
+
 echo "== 2/2 benchmarks on cuda"
 export LORAFARM_BENCH_DEVICE=cuda
 timeout 600 "$PY" -m pytest benchmarks/bench_lora_layer.py benchmarks/bench_engine.py \
