@@ -92,7 +92,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # what an earlier answer carried, sent back as history: accepted, not shown to the model
     refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
 
     def text(self) -> str:
         if self.content is None:

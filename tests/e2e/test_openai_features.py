@@ -91,7 +91,7 @@ def test_tools_round_trip(client, alias):
 
     # the result goes back as a tool message; with tool_choice none the answer is plain text
     history = ask("weather in paris?") + [
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        choice.message,  # the answer itself goes back as history, as agent loops do
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
     ]
     final = client.chat.completions.create(model=alias, messages=history, tools=[WEATHER], tool_choice="none",
