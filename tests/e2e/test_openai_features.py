@@ -135,6 +135,11 @@ def test_logprobs_chat_and_completions(client, alias):
     for t in content:
         assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6
         assert bytes(t.bytes) == t.token.encode()
+    streamed = [tok for chunk in client.chat.completions.create(
+                    model=alias, messages=ask(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                    stream=True)
+                for ch in chunk.choices if ch.logprobs for tok in ch.logprobs.content or []]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
     comp = client.completions.create(model=alias, prompt="hello there", max_tokens=5, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
@@ -148,6 +153,8 @@ def test_n_choices(client, alias):
     one = client.chat.completions.create(model=alias, messages=ask(), max_tokens=10, temperature=0)
     assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
+    comp = client.completions.create(model=alias, prompt="hello", max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in comp.choices] == [0, 1] and comp.choices[0].text == comp.choices[1].text
     kw = dict(model=alias, messages=ask(), max_tokens=16, temperature=2.0, top_p=1.0, n=4, seed=11)
     sampled = client.chat.completions.create(**kw)
     texts = [c.message.content for c in sampled.choices]
