@@ -148,3 +148,42 @@ def test_n_style_choices_greedy_identical_sampled_distinct_and_seeded(engine):
     assert len({tuple(col.tokens(f"s{i}")) for i in range(3)}) == 3
     again = run_all(engine, [("s0", ids, SamplingParams(max_tokens=12, temperature=1.0, seed=40), None)])
     assert again.tokens("s0") == col.tokens("s0")
+
+
+QWEN_STYLE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% for tc in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_a_tools_template_renders_tools_calls_and_results(engine):
+    """The native path through transformers' apply_chat_template with a Qwen2.5-style template (set
+    on a copy of the tokenizer object; the dev model's files are untouched)."""
+    import copy
+    from types import SimpleNamespace
+
+    from handler import openai_schemas as oai
+    from handler.handler import LoraHandler
+
+    tok = copy.copy(engine.tokenizer)
+    tok.chat_template = QWEN_STYLE
+    req = oai.parse_request(oai.ChatCompletionRequest, {"model": "m", "tools": TOOLS, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]})
+    h = LoraHandler()
+    h.engine = SimpleNamespace(tokenizer=tok, config=engine.config)
+    text = tok.decode(h._tokenize("chat", req))
+    assert '"name": "get_weather"' in text.split("</tools>")[0]  # the tool list, by the template
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}' in text
+    assert "<tool_response>\n-3\n</tool_response>" in text and text.rstrip().endswith("<|im_start|>assistant")
