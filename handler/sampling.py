@@ -21,7 +21,8 @@ a stage are left untouched by it):
      equals sampling from p; only the noise draw is per row, the rest is batched.
 
 `RowState` is what a request carries between steps: its generator, its grammar matcher, its
-output-token counts (only when a penalty needs them) and the logprobs of its last token.
+output tokens (only when a penalty needs them) and the logprobs of its last token. The penalties'
+token counts are built for all penalised rows at once by one padded scatter-add per step.
 """
 
 from __future__ import annotations
@@ -116,12 +117,12 @@ class RowState:
     """One request's sampling state between steps.
 
     generator: its `torch.Generator` (None when greedy). matcher: its grammar matcher (None when
-    free). counts [V]: how often each token was generated (only when a penalty needs it); prompt_seen
-    [V] bool: tokens of the prompt (only for the repetition penalty). logprobs: (logprob, [(token,
-    logprob), ...]) of the last sampled token when the request asked for logprobs.
+    free). output: the tokens generated so far (kept only when a penalty needs them); prompt: the
+    prompt's tokens (kept only for the repetition penalty). logprobs: (logprob, [(token, logprob),
+    ...]) of the last sampled token when the request asked for logprobs.
     """
 
-    __slots__ = ("params", "generator", "matcher", "counts", "prompt_seen", "logprobs")
+    __slots__ = ("params", "generator", "matcher", "output", "prompt", "logprobs")
 
     def __init__(self, params: SamplingParams, prompt: list[int], device: torch.device, vocab_size: int,
                  tokenizer: Any = None):
@@ -132,19 +133,16 @@ class RowState:
             from handler.constrained import new_matcher
 
             self.matcher = new_matcher(params.grammar, tokenizer, vocab_size)
-        self.counts = torch.zeros(vocab_size, device=device) if params.counts_output else None
-        self.prompt_seen = None
-        if params.repetition_penalty != 1.0:
-            self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self.prompt_seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        self.output: list[int] | None = [] if params.counts_output else None
+        self.prompt: list[int] | None = list(prompt) if params.repetition_penalty != 1.0 else None
         self.logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
     def accept(self, token: int, grammar: bool = True) -> None:
         """Advance past a sampled token: grammar state (unless the caller did) and output counts."""
         if grammar and self.matcher is not None:
             self.matcher.consume_token(token)
-        if self.counts is not None:
-            self.counts[token] += 1.0
+        if self.output is not None:
+            self.output.append(token)
 
 
 def _rows_tensor(rows: list[int], device) -> torch.Tensor:
@@ -155,6 +153,17 @@ def _col(values: list[float], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
+def token_counts(lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[len(lists), V] float: how often each token occurs in each list (one padded scatter-add)."""
+    width = max((len(t) for t in lists), default=0)
+    counts = torch.zeros(len(lists), vocab_size, device=device)
+    if width:
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in lists], dtype=torch.long, device=device)
+        ones = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in lists], device=device)
+        counts.scatter_add_(1, ids, ones)
+    return counts
+
+
 def apply_penalties(x: torch.Tensor, params: list[SamplingParams], states: list[RowState]) -> None:
     """Stages 2 and 3 (repetition, frequency, presence) in place on the rows that use them."""
     rows = [i for i, p in enumerate(params) if p.counts_output]
@@ -163,13 +172,11 @@ def apply_penalties(x: torch.Tensor, params: list[SamplingParams], states: list[
     dev = x.device
     idx = _rows_tensor(rows, dev)
     sub = x.index_select(0, idx)
-    counts = torch.stack([states[i].counts for i in rows])
+    counts = token_counts([states[i].output for i in rows], x.shape[1], dev)
     out_seen = counts > 0
     rep = [params[i].repetition_penalty for i in rows]
     if any(r != 1.0 for r in rep):
-        none = torch.zeros(x.shape[1], dtype=torch.bool, device=dev)
-        seen = out_seen | torch.stack([states[i].prompt_seen if states[i].prompt_seen is not None else none
-                                       for i in rows])
+        seen = out_seen | (token_counts([states[i].prompt or [] for i in rows], x.shape[1], dev) > 0)
         r = _col(rep, dev)
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     freq = _col([params[i].frequency_penalty for i in rows], dev)
