@@ -158,9 +158,18 @@ class _Session:
         if self.farm is not None:
             self.farm.stop()
         replica_args = ["--slots", str(slots), *a.replica_arg]
-        self.farm = Farm(Path(a.state_dir), replicas=a.replicas, ports=FarmPorts.free(a.replicas), demo_adapters=0,
-                         replica_args=replica_args, router_args=ROUTING_ARGS[a.routing], progress=not a.quiet)  # fmt: skip
-        info = self.farm.up()
+        for attempt in range(3):  # a port found free can be taken by another program before we bind it
+            self.farm = Farm(Path(a.state_dir), replicas=a.replicas, ports=FarmPorts.free(a.replicas),
+                             demo_adapters=0, replica_args=replica_args, router_args=ROUTING_ARGS[a.routing],
+                             progress=not a.quiet)  # fmt: skip
+            try:
+                info = self.farm.up()
+                break
+            except CliError as e:
+                self.farm.stop()
+                if attempt == 2 or "address already in use" not in str(e):
+                    raise
+                print("lorafarm loadtest: a port was taken meanwhile; starting the farm again", file=sys.stderr)
         key_file = Path(a.state_dir) / "loadtest-key"
         res = asyncio.run(synth_upload(info["registry_url"], info["admin_token"], self.farm.model_dir, TENANT,
                                        a.adapters, a.ranks, a.targets, aliases=True, seed=a.seed,
