@@ -37,6 +37,7 @@ from lorafarm.openapi import openapi_config
 log = logging.getLogger("lorafarm.replica")
 
 PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema/openapi.json")
+OPENAPI_BODIES = {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest}
 
 
 @dataclass
@@ -600,11 +601,11 @@ def create_app(config: ReplicaConfig) -> Litestar:
         request_max_body_size=config.limits.max_body_bytes,
         openapi_config=openapi_config(
             "lorafarm replica", "One replica: OpenAI-compatible completions and the internal adapter API.",
-            {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest},
-            "the farm's admin token"),
+            OPENAPI_BODIES, "the farm's admin token"),
         debug=False,
     )
     app.state.replica = service
+    app.state.openapi_bodies = OPENAPI_BODIES
     return app
 
 

@@ -15,7 +15,7 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 from pydantic import BaseModel
 
-PUBLIC = ("/health", "/metrics", "/schema")
+PUBLIC = ("/health", "/ready", "/metrics", "/schema")
 
 
 def patch_document(doc: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
@@ -33,12 +33,41 @@ def patch_document(doc: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> d
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }
+    schemas["Error"] = ERROR_SCHEMA
     for path, item in doc.get("paths", {}).items():
-        if path.startswith(PUBLIC):
-            for op in item.values():
-                if isinstance(op, dict):
-                    op["security"] = [{}]
+        for op in item.values():
+            if not isinstance(op, dict):
+                continue
+            if path.startswith(PUBLIC):
+                op["security"] = [{}]
+            responses = op.setdefault("responses", {})
+            # every error is an OpenAI error object, whatever its status (Litestar documents its own)
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+            for code, resp in responses.items():
+                if code[:1] in "45":
+                    resp["content"] = error
+            responses["default"] = {"description": "an OpenAI error object", "content": error}
+            if path == "/metrics":
+                responses["200"] = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+            elif path.startswith("/v1/") and "post" in item and op is item["post"]:
+                ok = responses.setdefault("200", {"description": "the completion"})
+                ok["content"] = {"application/json": {"schema": {"type": "object"}},
+                                 "text/event-stream": {"schema": {"type": "string"}}}
     return doc
+
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+
+def document(app) -> dict[str, Any]:
+    """The document /schema/openapi.json serves, without a server (for schemathesis)."""
+    return patch_document(app.openapi_schema.to_schema(), app.state.openapi_bodies)
 
 
 def openapi_config(title: str, description: str, bodies: dict[str, type[BaseModel]], token: str) -> OpenAPIConfig:

@@ -606,7 +606,8 @@ def _http_error_handler(request: Request, exc: HTTPException) -> Response:
     if status == 404:
         err = ApiError(404, f"Unknown path {request.url.path}", code="not_found")
     elif status == 405:
-        err = ApiError(405, f"Method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+        err = ApiError(405, f"Method {request.method} not allowed on {request.url.path}", code="method_not_allowed",
+                       headers={k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"})
     else:
         err = ApiError(status, str(exc.detail), type_="invalid_request_error" if status < 500 else "server_error")
     return _error_response(err)
@@ -617,13 +618,17 @@ def _internal_error_handler(request: Request, exc: Exception) -> Response:
     return _error_response(ApiError(500, "Internal error in the router.", type_="server_error", code="internal_error"))
 
 
-def _openapi():
+def _OPENAPI_BODIES() -> dict:
     from handler.openai_schemas import ChatCompletionRequest, CompletionRequest  # the shapes forwarded
+
+    return {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def _openapi():
     from lorafarm.openapi import openapi_config
 
     return openapi_config(
-        "lorafarm router", "OpenAI-compatible gateway in front of the replicas.",
-        {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+        "lorafarm router", "OpenAI-compatible gateway in front of the replicas.", _OPENAPI_BODIES(),
         "a tenant API key",
     )
 
@@ -660,4 +665,5 @@ def create_app(
         debug=False,
     )
     app.state.core = core
+    app.state.openapi_bodies = _OPENAPI_BODIES()
     return app
