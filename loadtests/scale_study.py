@@ -11,7 +11,6 @@ import argparse
 import json
 import platform
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from loadtests.simulate import AutoscaleConfig, diurnal, seed_config, simulate
