@@ -25,6 +25,27 @@ HEAD = ("| run | requests | TTFT p50 s | TTFT p95 s | device hit % | evictions/m
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
+LIMITS = """
+## What the simulator does not model
+
+- One router process (the real fleet runs several; each adds its own in-flight estimate to the
+  polled states, so a burst between two polls spreads a little less than simulated).
+- No network, tokenizer or HTTP time beyond the fitted prefill rate; no failures or restarts.
+- Loads are fixed per-tier delays through two loader threads (the seed's figures or the measured
+  ones of the validation run); a load does not slow the decode step that runs beside it.
+- The decode step is constant in the batch size at the seed's figures (50 ms for up to 32 rows);
+  `--decode-step-per-row-s` adds a per-row term where a fit says so.
+- Scale-down removes a replica at once (its requests in flight finish); the real StatefulSet drains
+  through preStop. Rendezvous owners move with the replica list as in the registry.
+
+Reproduce: `make scale` (all of the above), or single runs such as
+`lorafarm simulate --replicas 22 --duration 600 --json`,
+`lorafarm simulate --sweep replicas=18,20,22,26 --duration 300`,
+`lorafarm simulate --routing random`, `lorafarm simulate --hot-tokens-per-s 2000`,
+`lorafarm simulate --replicas 12 --autoscale --diurnal 3600 --duration 3600 --min-replicas 8`.
+"""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="docs/scale.md")
@@ -228,6 +249,7 @@ def main(argv=None) -> int:
            "`choose()` and `SlotPolicy` under the measured workload, and is the simulator's prediction.",
            "tests/fleet/test_validation.py keeps this check (factors within 0.85-1.15 for hit rate and",
            "0.67-1.5 for TTFT).", ""]
+    md += LIMITS.splitlines()
     out.write_text("\n".join(md) + "\n")
     (out.parent / "scale.json").write_text(json.dumps(raw, indent=1, default=str))
     print(f"wrote {out}")
