@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench loadtest loadtest-docs scale isolation soak install dev clean
+.PHONY: serve test bench bench-docs loadtest loadtest-docs scale isolation soak install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ test: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest benchmarks --benchmark-only --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)
+
+bench-docs: $(VENV)/.installed-dev
+	$(BIN)/python -m benchmarks.render_docs
 
 # The load test (about 10 min on a 2-core box): a fresh farm of 2 replicas, 200 synthetic adapters
 # (no training), a 1/2/4 req/s sweep, the routing A/B and the 1/8/32-adapter throughput; results in

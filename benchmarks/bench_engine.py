@@ -1,7 +1,12 @@
 """Engine throughput on the small dev model (hidden 384, 6 layers, MLP 1024), batch 32.
 
 * decode: 32 running requests, tokens/s of the decode steps only, with no adapters, 1 adapter for
-  all rows, 8 and 32 distinct adapters (rank 16 on all seven projections, random weights);
+  all rows, 8 and 32 distinct adapters (rank 16 on all seven projections, random weights) on
+  scattered slots of a 64-slot pool, as LRU leaves them (the engine mounts 32 fillers in between
+  and unmounts them);
+* admission: 64 requests asking max_tokens 1,024 that stop after 100 tokens (the client cancels),
+  KV blocks on demand vs prompt + max_tokens reserved at admission (the old policy): peak
+  concurrent sequences and tokens/s;
 * end to end, the same workload as a user would run it with transformers + PEFT: 32 prompts of 64
   tokens, 64 new tokens each (greedy, EOS ignored), prefill included; ours vs `generate` on a
   PeftModel holding the same 32 adapters with a mixed batch (`adapter_names`), and both without
@@ -81,9 +86,14 @@ class Setup:
 
     def new_engine(self) -> Engine:
         engine = Engine(self.model_dir, device=self.device, dtype=torch.float32, kv_cache_bytes=64 << 20,
-                        max_batch=BATCH, rank_pools={RANK: BATCH}, max_prefill_tokens=BATCH * PROMPT)
-        for j, w in enumerate(self.adapters):
-            engine.mount_adapter(f"a{j}", w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
+                        max_batch=BATCH, rank_pools={RANK: 2 * BATCH}, max_prefill_tokens=BATCH * PROMPT)
+        order = [f"a{j}" for j in range(BATCH)] + [f"filler{j}" for j in range(BATCH)]
+        random.Random(0).shuffle(order)  # scattered slots, as LRU leaves them
+        for name in order:
+            w = self.adapters[int(name[1:])] if name.startswith("a") else self.adapters[0]
+            engine.mount_adapter(name, w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
+        for j in range(BATCH):
+            engine.unmount_adapter(f"filler{j}")
         return engine
 
     def adapter_of_row(self, distinct: int | None) -> list[str | None]:
@@ -244,3 +254,45 @@ def test_engine_vs_transformers_peft(benchmark, bench_report, setup):
         bench_report.add(SUITE, name, tokens_per_s=tokens / med, median_s=med, rounds=len(xs),
                          samples=[tokens / x for x in xs])
     _notes(bench_report, setup)
+
+
+ADMIT_REQUESTS, ADMIT_MAX_TOKENS, ADMIT_STOP = 64, 1024, 100
+
+
+def test_engine_admission(benchmark, bench_report, setup):
+    """Concurrent sequences and tokens/s when clients ask max_tokens 1,024 and stop after ~100."""
+    results = {}
+
+    def run(reserve: str):
+        cfg = setup.engine.config
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        engine = Engine(setup.model_dir, device=setup.device, dtype=torch.float32,
+                        kv_cache_bytes=7 * (PROMPT + ADMIT_MAX_TOKENS) * per_token, max_batch=BATCH,
+                        rank_pools={RANK: 1}, kv_reserve=reserve)
+        done = []
+
+        def on_event(ev):
+            if ev.finished:
+                done.append(ev.request_id)
+            elif ev.completion_tokens >= ADMIT_STOP:
+                engine.cancel(ev.request_id)  # the client has what it wanted
+
+        params = SamplingParams(max_tokens=ADMIT_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        for i in range(ADMIT_REQUESTS):
+            engine.add_request(f"q{i}", setup.prompts[i % BATCH].tolist(), params, None, on_event)
+        peak, t0 = 0, time.perf_counter()
+        while engine.step():
+            peak = max(peak, engine.stats().running)
+        elapsed = time.perf_counter() - t0
+        assert len(done) == ADMIT_REQUESTS
+        results[reserve] = dict(peak_running=peak, tokens_per_s=ADMIT_REQUESTS * ADMIT_STOP / elapsed,
+                                median_s=elapsed, rounds=1, preemptions=engine.stats().preemptions,
+                                kv_blocks=engine.kv.num_blocks)
+
+    benchmark.group = "admission (one round = both policies once)"
+    benchmark.pedantic(lambda: [run("demand"), run("max_tokens")], rounds=1, iterations=1, warmup_rounds=0)
+    for reserve, r in results.items():
+        bench_report.add(SUITE, f"admit/{reserve}", **r)
+    bench_report.note(SUITE, "admission", f"{ADMIT_REQUESTS} requests, prompts of {PROMPT}, max_tokens "
+                                          f"{ADMIT_MAX_TOKENS}, cancelled after {ADMIT_STOP} tokens; KV cache of "
+                                          f"7 x (prompt + max_tokens) tokens; no adapters")

@@ -2,9 +2,12 @@
 per-adapter loop (PEFT's mixed-batch approach) vs merged weights.
 
 Shapes: k = 4096 in; d = 4096 (an attention projection) and 11008 (an MLP up/gate projection);
-rank 16; 32 decode rows; float32 and bfloat16. Our layer holds a rank-16 pool of 32 slots, each
-with its own random adapter. "ours" = base product + `MultiLoRALinear.apply` with the kernel the
-engine would pick ("auto"); "ours-seg" forces the gathered SGMV/BGMV kernel. The per-step metadata
+rank 16; 32 decode rows; float32 and bfloat16. Our layer holds a rank-16 pool of 64 slots with 32
+random adapters on scattered slots (a seeded random half, as LRU leaves them); rows are ordered by
+slot as the engine orders decode rows. "ours" = base product + `MultiLoRALinear.apply` with the
+kernel the engine would pick ("auto", from this device's measured costs for this layer);
+"ours-seg" forces SGMV/BGMV reading the stacks in place, "ours-dense" the masked dense product and
+"ours-gather" SGMV/BGMV on copied (index_select) stacks. The per-step metadata
 (`ModelLoRA.prepare`) is built once per step for all layers of the model, so it is timed apart.
 
 The loop is PEFT's `_mixed_batch_forward`: for each adapter in the batch, slice its rows, run
@@ -29,9 +32,11 @@ from handler.lora import ModelLoRA, MultiLoRALinear
 from handler.model import ModelConfig
 
 SUITE = "lora_layer"
-K, RANK, ROWS, SLOTS = 4096, 16, 32, 32
+K, RANK, ROWS, SLOTS, ADAPTERS = 4096, 16, 32, 64, 32
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-VARIANTS = ["base", "merged", "ours-1", "ours-8", "ours-32", "ours-seg-8", "ours-seg-32", "loop-1", "loop-8", "loop-32"]
+VARIANTS = ["base", "merged", "ours-1", "ours-8", "ours-32", "ours-seg-8", "ours-seg-32", "ours-dense-32",
+            "ours-gather-32", "loop-1", "loop-8", "loop-32"]
+SCATTERED = sorted(random.Random(0).sample(range(1, SLOTS + 1), ADAPTERS))  # the adapters' slots
 
 
 def _cfg() -> ModelConfig:  # only the pool layout matters for the step metadata
@@ -51,10 +56,13 @@ class LayerCase:
         self.scale = 2.0
         self.layer = MultiLoRALinear(("up_proj",), K, [d])
         self.layer.create_lora_weights([(RANK, SLOTS)], dtype, self.device)
-        for s in range(SLOTS):
-            self.layer.set_lora(0, s + 1, {"up_proj": self.A[s]}, {"up_proj": self.B[s]}, {"up_proj": self.scale})
+        for s in SCATTERED:
+            self.layer.set_lora(0, s, {"up_proj": self.A[s - 1]}, {"up_proj": self.B[s - 1]}, {"up_proj": self.scale})
         self.meta = ModelLoRA(_cfg(), {RANK: SLOTS}, dtype, self.device)
-        self.W_merged = self.W + self.scale * (self.B[0].float() @ self.A[0].float()).to(dtype)
+        # the kernel-choice estimate for this one layer (the meta's own config is a stub)
+        self.meta._slot_values, self.meta._num_groups, self.meta._num_modules = [RANK * (K + d)], 1, 1
+        s0 = SCATTERED[0] - 1
+        self.W_merged = self.W + self.scale * (self.B[s0].float() @ self.A[s0].float()).to(dtype)
         self.lora_A = [torch.nn.Linear(K, RANK, bias=False, device=self.device, dtype=dtype) for _ in range(SLOTS)]
         self.lora_B = [torch.nn.Linear(RANK, d, bias=False, device=self.device, dtype=dtype) for _ in range(SLOTS)]
         with torch.no_grad():
@@ -64,7 +72,7 @@ class LayerCase:
 
     @staticmethod
     def slots(distinct: int) -> list[int]:
-        return [1 + (i % distinct) for i in range(ROWS)]  # rows interleaved over the adapters
+        return sorted(SCATTERED[i % distinct] for i in range(ROWS))  # ordered by slot, as the engine does
 
     def fn(self, variant: str):
         x, W = self.x, self.W
@@ -75,8 +83,9 @@ class LayerCase:
             return lambda: F.linear(x, Wm)
         if variant.startswith("ours"):
             distinct = int(variant.rsplit("-", 1)[1])
-            batch = self.meta.prepare(self.slots(distinct), prefill=False,
-                                      mode="segments" if "seg" in variant else "auto")
+            mode = next((m for k, m in (("seg", "segments"), ("dense", "dense"), ("gather", "gather")) if k in variant),
+                        "auto")
+            batch = self.meta.prepare(self.slots(distinct), prefill=False, mode=mode)
             layer = self.layer
 
             def ours():

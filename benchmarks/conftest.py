@@ -3,9 +3,11 @@
 `make bench` runs `pytest benchmarks --benchmark-only --benchmark-enable`: this conftest makes
 pytest collect the `bench_*.py` files of this folder. Suites that call the `bench_report` fixture
 (the LoRA layer op and the engine) get their figures written, after the run, to
-`benchmarks/results/<device>-<suite>.json` and rendered, with ratios and plots, into
-`docs/benchmarks.md`, `docs/bench_lora_layer.png` and `docs/bench_engine.png`. Every ratio in the
-document comes from figures of one run of its suite on one device.
+`var/bench/<device>-<suite>.json` (untracked; LORAFARM_BENCH_RESULTS overrides the folder). A run
+never rewrites tracked files: `make bench-docs` (= `python -m benchmarks.render_docs`) renders
+those results, with ratios and plots, into `docs/benchmarks.md`, `docs/bench_lora_layer.png`,
+`docs/bench_engine.png` and `docs/bench_engine_7b.png`. Every ratio in the document comes from
+figures of one run of its suite on one device.
 
 Environment: LORAFARM_BENCH_DEVICE (cpu | cuda; default cuda when available),
 LORAFARM_BENCH_THREADS (torch intra-op threads on CPU; default: torch's choice).
@@ -24,7 +26,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULTS = HERE / "results"
+RESULTS = Path(os.environ.get("LORAFARM_BENCH_RESULTS", REPO / "var" / "bench"))
 DOCS = REPO / "docs"
 
 _collected: dict[str, dict] = {}
@@ -115,7 +117,7 @@ def stats_of(benchmark, per_call_divisor: int = 1) -> dict:
 def pytest_sessionfinish(session, exitstatus):
     if not _collected:
         return
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     for suite, data in _collected.items():
         # merge into the device's earlier results so a partial run (-k) keeps the other entries;
         # every ratio is taken within one benchmark test (interleaved rounds), so within one run
@@ -124,10 +126,8 @@ def pytest_sessionfinish(session, exitstatus):
         merged = {**old.get("results", {}), **data["results"]}
         data = {**old, **data, "results": merged, "environment": _environment(data["device"])}
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    try:
-        render(RESULTS, DOCS)
-    except Exception as e:  # noqa: BLE001 - a report failure must not hide the benchmark results
-        print(f"\nbenchmarks: could not render docs/benchmarks.md: {e!r}", file=sys.stderr)
+    print(f"\nbenchmarks: results in {RESULTS}; `make bench-docs` renders them into docs/benchmarks.md",
+          file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------- rendering
@@ -142,26 +142,51 @@ LAYER_TARGETS = [  # (label, numerator, denominator, target, "<=" or ">=")
     ("per-adapter loop, 32 distinct / ours, 32 distinct", "loop-32", "ours-32", 2.0, ">="),
     ("per-adapter loop, 8 distinct / ours, 8 distinct", "loop-8", "ours-8", None, None),
     ("per-adapter loop, 1 adapter / ours, 1 adapter", "loop-1", "ours-1", None, None),
-    ("ours (forced SGMV/BGMV), 32 distinct / base", "ours-seg-32", "base", None, None),
+    ("ours (forced SGMV/BGMV in place), 32 distinct / base", "ours-seg-32", "base", None, None),
+    ("ours (forced masked dense), 32 distinct / base", "ours-dense-32", "base", None, None),
+    ("ours (forced SGMV/BGMV on copied stacks), 32 distinct / base", "ours-gather-32", "base", None, None),
     ("merged / base", "merged", "base", None, None),
 ]
 
-ENGINE_TARGETS = [
-    ("32 distinct adapters / no adapters (decode tokens/s)", "decode/32", "decode/none", 0.85, ">="),
+ENGINE_TARGETS = [  # optional 6th element: the field to compare (default: tokens/s, paired per round)
+    ("32 distinct adapters on scattered slots / no adapters (decode tokens/s; was 0.72 on consecutive slots)",
+     "decode/32", "decode/none", 0.85, ">="),
     ("8 distinct adapters / no adapters (decode tokens/s)", "decode/8", "decode/none", None, None),
     ("1 adapter / no adapters (decode tokens/s)", "decode/1", "decode/none", None, None),
     ("ours / transformers + PEFT, 32 distinct adapters (end-to-end tokens/s)", "e2e/ours-32", "e2e/peft-32", 3.0, ">="),
     ("ours / transformers, no adapters (end-to-end tokens/s)", "e2e/ours-none", "e2e/hf-none", None, None),
+    ("concurrent sequences admitted, blocks on demand / prompt + max_tokens reserved (max_tokens 1,024, "
+     "~100 tokens generated)", "admit/demand", "admit/max_tokens", None, None, "peak_running"),
+    ("tokens/s of that workload, on demand / reserved", "admit/demand", "admit/max_tokens", None, None, "tokens_per_s"),
+    ("ours / transformers serve --continuous-batching, tokens/s (base model, concurrency 32, streamed HTTP)",
+     "serve/ours", "serve/hf", 2.0, ">=", "tokens_per_s"),
+    ("ours / transformers serve, p95 time to first token", "serve/ours", "serve/hf", 0.5, "<=", "ttft_p95_s"),
+]
+
+ENGINE_7B_TARGETS = [
+    ("7B-shaped, 32 distinct adapters on scattered slots / no adapters (decode tokens/s; byte floor 0.835)",
+     "7b/32", "7b/none", 0.80, ">="),
+    ("7B-shaped, 8 distinct / no adapters", "7b/8", "7b/none", None, None),
+    ("7B-shaped, 1 adapter / no adapters", "7b/1", "7b/none", None, None),
+    ("32 distinct: auto kernel / forced in-place segments (never 2x slower: >= 0.5)", "7b/32", "7b/32-segments", 0.5, ">="),
+    ("32 distinct: auto kernel / forced dense", "7b/32", "7b/32-dense", 0.5, ">="),
+    ("32 distinct: auto kernel / forced gathered copy", "7b/32", "7b/32-gather", 0.5, ">="),
+    ("one 1,088-token row among 31 of 64: step time / all-short step time", "long/all-short", "long/one-long", 1.3, "<="),
+    ("the same, rows padded to the longest in one group (old layout) / all-short", "long/all-short",
+     "long/one-long-padded", None, None),
 ]
 
 
-def _ratio(res: dict, num: str, den: str) -> float | None:
-    """num / den: the median of per-round ratios when both carry interleaved samples, else of medians."""
+def _ratio(res: dict, num: str, den: str, field: str | None = None) -> float | None:
+    """num / den: the median of per-round ratios when both carry interleaved samples, else of medians
+    (or of `field` when given)."""
     import statistics
 
     a, b = res.get(num), res.get(den)
     if not a or not b:
         return None
+    if field is not None:
+        return a[field] / b[field] if a.get(field) and b.get(field) else None
     xa, xb = a.get("samples"), b.get("samples")
     if xa and xb and len(xa) == len(xb):
         return statistics.median(x / y for x, y in zip(xa, xb))
@@ -188,10 +213,11 @@ def _render_layer(data: dict, device: str, docs: Path) -> list[str]:
     env = data.get("environment", {})
     out = [f"### Adapted layer op, {device}", "", f"Run: {_env_line(env)}.", "",
            f"Command: `{env.get('command')}`", "",
-           "Median time per call (ms), k = 4096, rank 16, 32 decode rows; in brackets the ratio to the base "
+           "Median time per call (ms), k = 4096, rank 16, 32 decode rows, 32 adapters on scattered slots of a "
+           "64-slot pool; in brackets the ratio to the base "
            "product (median of per-round ratios: every round times all variants once, in shuffled order).", ""]
-    variants = ["base", "merged", "ours-1", "ours-8", "ours-32", "ours-seg-8", "ours-seg-32", "loop-1", "loop-8",
-                "loop-32"]
+    variants = ["base", "merged", "ours-1", "ours-8", "ours-32", "ours-seg-8", "ours-seg-32", "ours-dense-32",
+                "ours-gather-32", "loop-1", "loop-8", "loop-32"]
     configs = sorted({(v["dtype"], v["d"]) for v in res.values() if "dtype" in v}, key=lambda c: (c[0] != "fp32", c[1]))
     out.append("| variant | " + " | ".join(f"{dt} d={d}" for dt, d in configs) + " |")
     out.append("| --- |" + " --- |" * len(configs))
@@ -255,24 +281,28 @@ def _plot_layer(res, configs, variants, png: Path, device: str) -> None:
     plt.close(fig)
 
 
-def _render_engine(data: dict, device: str, docs: Path) -> list[str]:
+def _render_engine(data: dict, device: str, docs: Path, targets=None, title="Engine throughput",
+                   png_base="bench_engine") -> list[str]:
+    targets = ENGINE_TARGETS if targets is None else targets
     res = data["results"]
     env = data.get("environment", {})
     notes = data.get("notes", {})
-    out = [f"### Engine throughput, {device}", "", f"Run: {_env_line(env)}.", "",
+    out = [f"### {title}, {device}", "", f"Run: {_env_line(env)}.", "",
            f"Command: `{env.get('command')}`", ""]
     if notes:
         out += ["Workload: " + "; ".join(f"{k}: {v}" for k, v in sorted(notes.items())) + ".", ""]
-    out += ["| workload | tokens/s | median s per round |", "| --- | --- | --- |"]
+    out += ["| workload | tokens/s | median s per round | other |", "| --- | --- | --- | --- |"]
     for name in sorted(res):
         r = res[name]
-        out.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['median_s']:.3f} |")
+        other = ", ".join(f"{k} {v:.3g}" for k, v in sorted(r.items())
+                          if k not in ("tokens_per_s", "median_s", "samples", "rounds") and isinstance(v, (int, float)))
+        out.append(f"| {name} | {r['tokens_per_s']:.0f} | {r.get('median_s', float('nan')):.3f} | {other} |")
     out += ["", "Ratios against the issue's targets (same run):", "", "| ratio | value | target |", "| --- | --- | --- |"]
-    for label, num, den, target, op in ENGINE_TARGETS:
-        v = _ratio(res, num, den)
+    for label, num, den, target, op, *field in targets:
+        v = _ratio(res, num, den, *field)
         if v is not None:
             out.append(f"| {label} | {v:.3f} | {_verdict(v, target, op)} |")
-    png = docs / ("bench_engine.png" if device == "cpu" else f"bench_engine_{device}.png")
+    png = docs / (f"{png_base}.png" if device == "cpu" else f"{png_base}_{device}.png")
     try:
         import matplotlib
 
@@ -284,7 +314,7 @@ def _render_engine(data: dict, device: str, docs: Path) -> list[str]:
         ax.barh(names, [res[n]["tokens_per_s"] for n in names],
                 color=["tab:gray" if ("peft" in n or "hf" in n) else "tab:blue" for n in names])
         ax.set_xlabel("generated tokens / s")
-        ax.set_title(f"Engine, small dev model, batch 32, {device} (grey: transformers / + PEFT)")
+        ax.set_title(f"{title}, batch 32, {device} (grey: transformers / + PEFT)")
         fig.tight_layout()
         fig.savefig(png, dpi=110)
         plt.close(fig)
@@ -297,8 +327,13 @@ def _render_engine(data: dict, device: str, docs: Path) -> list[str]:
 def render(results: Path, docs: Path) -> None:
     """Rewrite the generated part of docs/benchmarks.md from every results file (text outside kept)."""
     sections: list[str] = []
-    renderers = {"lora_layer": _render_layer, "engine": _render_engine}
-    for suite in ("lora_layer", "engine"):
+    renderers = {
+        "lora_layer": _render_layer,
+        "engine": _render_engine,
+        "engine_7b": lambda d, dev, docs: _render_engine(d, dev, docs, ENGINE_7B_TARGETS,
+                                                         "7B-shaped engine step and long rows", "bench_engine_7b"),
+    }
+    for suite in ("lora_layer", "engine", "engine_7b"):
         for f in sorted(results.glob(f"*-{suite}.json")):
             data = json.loads(f.read_text())
             sections += renderers[suite](data, data["device"], docs)

@@ -2,9 +2,14 @@
 # The engine's GPU check, in one go (about 3-5 minutes on one modern GPU):
 #   1. correctness on cuda: runner logits == the CPU runner and PEFT merge_and_unload() (float32),
 #      and canary isolation through the engine in bfloat16 (300 requests over the 32 canaries);
-#   2. the same benchmarks as on CPU (layer op at 7B dims, engine throughput vs transformers + PEFT),
-#      written to benchmarks/results/cuda-*.json and rendered into docs/benchmarks.md
-#      (docs/bench_lora_layer_cuda.png, docs/bench_engine_cuda.png).
+#   2. the same benchmarks as on CPU (layer op at 7B dims on scattered slots, engine throughput vs
+#      transformers + PEFT, admission, the 7B-shaped decode step in bfloat16 with 1/8/32 distinct
+#      adapters on scattered slots and every LoRA kernel forced, one long row among short ones, and
+#      ours vs `transformers serve --continuous-batching` over HTTP), written to var/bench/cuda-*.json
+#      and rendered into docs/benchmarks.md (`python -m benchmarks.render_docs`);
+#   3. vLLM multi-LoRA on the same 7B shapes (batch 32, 32 distinct rank-16 adapters vs none), if
+#      `pip install vllm` succeeds there: var/bench/cuda-vllm.json (not rendered; compare by hand).
+# Written without a GPU (none was available to its author): the first CUDA run may need fixes.
 #
 # Usage, from anywhere:   benchmarks/gpu_check.sh [extra pytest args]
 # Needs a CUDA build of torch in the venv, e.g.:
@@ -98,6 +103,53 @@ timeout 300 "$PY" -m pytest tests/handler/test_constrained.py -p no:cacheprovide
 
 echo "== 2/2 benchmarks on cuda"
 export LORAFARM_BENCH_DEVICE=cuda
-timeout 600 "$PY" -m pytest benchmarks/bench_lora_layer.py benchmarks/bench_engine.py \
-  --benchmark-only --benchmark-enable -p no:cacheprovider -q "$@"
-echo "gpu_check: done; results in benchmarks/results/cuda-*.json and docs/benchmarks.md"
+timeout 900 "$PY" -m pytest benchmarks/bench_lora_layer.py benchmarks/bench_engine.py benchmarks/bench_engine_7b.py \
+  benchmarks/bench_serve.py --benchmark-only --benchmark-enable -p no:cacheprovider -q "$@"
+"$PY" -m benchmarks.render_docs
+
+echo "== 3/3 vLLM multi-LoRA on the 7B shapes (optional)"
+if "$PY" -c 'import vllm' 2>/dev/null || "$PY" -m pip install -q vllm; then
+  timeout 900 "$PY" - <<'EOF' || echo "gpu_check: vLLM comparison failed (see above)"
+import json, random, shutil, tempfile, time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.bench_engine import _small_model
+from benchmarks.bench_engine_7b import ALPHA, BATCH, MODULES, RANK, random_adapter, seven_b_shaped
+from handler.model import ModelConfig, load_hf_config
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+
+model = seven_b_shaped()
+for f in list(_small_model().glob("tokenizer*")) + list(_small_model().glob("special_tokens_map.json")):
+    shutil.copy(f, model / f.name)  # vLLM needs a tokenizer next to the weights
+cfg = ModelConfig.from_hf(load_hf_config(model))
+tmp = Path(tempfile.mkdtemp())
+gen = torch.Generator().manual_seed(0)
+for j in range(BATCH):
+    d = tmp / f"a{j}"
+    d.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in random_adapter(cfg, gen).items()}, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA,
+        "target_modules": MODULES, "base_model_name_or_path": str(model), "bias": "none"}))
+llm = LLM(str(model), dtype="bfloat16", enable_lora=True, max_loras=BATCH, max_lora_rank=RANK, max_num_seqs=BATCH,
+          max_model_len=512, gpu_memory_utilization=0.5)
+prompts = [[random.Random(i).randrange(3, 400) for _ in range(64)] for i in range(BATCH)]
+sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+out = {}
+for label, loras in (("none", None), ("32", [LoRARequest(f"a{j}", j + 1, str(tmp / f"a{j}")) for j in range(BATCH)])):
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=loras, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=loras, use_tqdm=False)
+    out[label] = BATCH * 64 / (time.perf_counter() - t0)
+out["ratio_32_over_none"] = out["32"] / out["none"]
+Path("var/bench").mkdir(parents=True, exist_ok=True)
+Path("var/bench/cuda-vllm.json").write_text(json.dumps(out, indent=1))
+print("vLLM end-to-end tokens/s (64-token prompts, 64 new tokens):", out)
+EOF
+else
+  echo "gpu_check: vllm does not install here; skipped"
+fi
+echo "gpu_check: done; results in var/bench/cuda-*.json and docs/benchmarks.md"

@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from handler.model import to_device
+
 
 class KVCache:
     def __init__(
@@ -101,7 +103,7 @@ class KVCache:
         in attention, but a masked inf or NaN left by the previous owner would still turn into
         NaN (0 * inf) in the softmax-weighted sum."""
         if blocks:
-            idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            idx = to_device(torch.tensor(blocks, dtype=torch.long), self.device)  # no blocking copy
             self.k.index_fill_(1, idx, 0)
             self.v.index_fill_(1, idx, 0)
         with self._lock:
@@ -120,6 +122,7 @@ class KVCache:
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the sequences in `block_tables` [B, nb]: each [B, kv_heads, nb*bs, D]."""
         B, nb = block_tables.shape
-        k = self.k[layer][block_tables].view(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        v = self.v[layer][block_tables].view(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        idx = block_tables.reshape(-1)  # index_select: ~2x faster than advanced indexing on CPU
+        k = self.k[layer].index_select(0, idx).view(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        v = self.v[layer].index_select(0, idx).view(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
         return k.transpose(1, 2), v.transpose(1, 2)
