@@ -66,6 +66,37 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _farm_status(args: argparse.Namespace) -> int:
+    """The router's /health in a few lines: replicas, foreign workers, the two-workers rule."""
+    import httpx
+
+    from lorafarm.errors import CliError
+    from lorafarm.settings import load_farm_json
+
+    url = args.router or load_farm_json(args.farm).get("router_url")
+    if not url:
+        raise CliError("no router URL: pass --router or --farm farm.json")
+    try:
+        h = httpx.get(f"{url.rstrip('/')}/health", timeout=5.0).json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise CliError(f"router at {url} unreachable: {e}") from None
+    print(f"router {url}: {h.get('status')}")
+    print(f"replicas: {h.get('replicas', 0)} ({h.get('replicas_healthy', 0)} healthy, "
+          f"{h.get('replicas_possibly_warm', 0)} possibly warm)")
+    for w in h.get("workers") or []:
+        state = "healthy" if w.get("healthy") else "DOWN"
+        if w.get("healthy") and not w.get("catalog_fresh"):
+            state = "possibly warm (catalog unavailable)"
+        print(f"worker {w['worker']} ({w['kind']}, weight {w['weight']:g}): {state}; models: "
+              f"{', '.join(w.get('models') or []) or '-'}; loaded: {', '.join(w.get('loaded') or []) or '-'}")
+    for c in h.get("critical_models") or []:
+        flag = "ok" if c["workers"] >= 2 else "DEGRADED (fewer than two healthy workers)"
+        print(f"critical model {c['model']}: {c['workers']} healthy workers: {flag}")
+    if h.get("degraded_models"):
+        print("degraded: " + ", ".join(d["model"] for d in h["degraded_models"]))
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("up", help="run registry, router and N replicas on this machine")
     p.add_argument("--replicas", type=int, default=2, help="number of replicas (default 2)")
@@ -82,3 +113,11 @@ def register(sub) -> None:
     p.add_argument("--state-dir", default=None, help="reuse a state dir (default: a temporary one)")
     p.add_argument("--prompt", default="Hello! What can you do for me?")
     p.set_defaults(func=_demo)
+
+    farm = sub.add_parser("farm", help="the running farm as the router sees it")
+    inner = farm.add_subparsers(dest="action", metavar="ACTION", parser_class=type(farm))
+    inner.required = True
+    p = inner.add_parser("status", help="replicas, foreign workers and latency-critical models (router /health)")
+    p.add_argument("--farm", default=None, help="farm.json written by `lorafarm up` (default ./var/farm.json)")
+    p.add_argument("--router", default=None, help="router URL (default: farm.json's router_url)")
+    p.set_defaults(func=_farm_status)

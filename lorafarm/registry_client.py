@@ -276,6 +276,26 @@ class RegistryClient:
         """-> {replica_id, adapters: [adapter_id]}: the adapters this replica owns."""
         return await self._json("GET", "/internal/placements", params={"replica_id": replica_id})
 
+    # -- foreign workers and critical models -------------------------------------------------
+
+    async def put_worker(self, name: str, url: str, kind: str, api_key_env: str | None = None,
+                         weight: float = 1.0) -> dict:
+        body = {"url": url, "kind": kind, "api_key_env": api_key_env, "weight": weight}
+        return await self._json("PUT", f"/internal/workers/{quote(name, safe='')}", json=body)
+
+    async def delete_worker(self, name: str) -> None:
+        await self._request("DELETE", f"/internal/workers/{quote(name, safe='')}")
+
+    async def list_workers(self) -> list[dict]:
+        return await self._json("GET", "/internal/workers")
+
+    async def set_critical(self, model: str, critical: bool = True) -> list[dict]:
+        """-> every critical model after the change."""
+        return await self._json("POST", "/internal/models/critical", json={"model": model, "critical": critical})
+
+    async def list_critical(self) -> list[dict]:
+        return await self._json("GET", "/internal/models/critical")
+
     # -- stats and routing ------------------------------------------------------------------
 
     async def push_stats(self, window_s: float, adapters: Iterable[Mapping[str, Any]]) -> None:

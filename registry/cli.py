@@ -160,6 +160,45 @@ def _aliases_get(args) -> int:
     return 0
 
 
+def _workers_add(args) -> int:
+    import re
+
+    if args.weight <= 0:
+        raise CliError("--weight must be positive")
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", args.url):
+        raise CliError(f"--url {args.url!r}: expected http(s)://host[:port][/path]")
+    if args.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", args.api_key_env):
+        raise CliError(f"--api-key-env {args.api_key_env!r} is not an environment variable name")
+    out = _call(args, lambda reg: reg.put_worker(args.name, args.url, args.kind, args.api_key_env, args.weight))
+    secret = f"; the router reads its key from ${out['api_key_env']}" if out.get("api_key_env") else ""
+    print(f"worker {out['name']} ({out['kind']}) at {out['url']}, weight {out['weight']:g}{secret}")
+    return 0
+
+
+def _workers_list(args) -> int:
+    rows = _call(args, lambda reg: reg.list_workers())
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for w in rows:
+        print(f"{w['name']}\t{w['kind']}\t{w['url']}\tweight={w['weight']:g}\tkey_env={w['api_key_env'] or '-'}")
+    return 0
+
+
+def _workers_remove(args) -> int:
+    _call(args, lambda reg: reg.delete_worker(args.name))
+    print(f"worker {args.name} removed")
+    return 0
+
+
+def _models_critical(args) -> int:
+    rows = _call(args, lambda reg: reg.set_critical(args.name, not args.off))
+    names = [r["model"] for r in rows]
+    state = "no longer critical" if args.off else "latency-critical (kept on at least two healthy workers)"
+    print(f"{args.name}: {state}; critical models: {', '.join(names) or 'none'}")
+    return 0
+
+
 def _connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry-url", default=None, help="registry URL (default $LORAFARM_REGISTRY_URL, farm.json)")
     p.add_argument("--admin-token", default=None, help="admin token (default $LORAFARM_ADMIN_TOKEN, farm.json)")
@@ -236,3 +275,30 @@ def register(sub) -> None:
     p.add_argument("alias")
     _connection_flags(p)
     p.set_defaults(func=_aliases_get)
+
+    workers = _group(sub, "workers", "foreign workers: OpenAI-compatible servers or Ollama the router also routes to")
+    p = workers.add_parser("add", help="register (or update) a foreign worker")
+    p.add_argument("name", help="worker name ([A-Za-z0-9._-], up to 63)")
+    p.add_argument("--url", required=True, help="base URL, e.g. http://gpu-box:8000 (without /v1)")
+    p.add_argument("--kind", required=True, choices=["openai", "ollama"],
+                   help="openai: any OpenAI-compatible server (vLLM, transformers serve, llama.cpp); ollama")
+    p.add_argument("--api-key-env", default=None, metavar="VAR",
+                   help="the router's environment variable holding the worker's API key (the key is never stored)")
+    p.add_argument("--weight", type=float, default=1.0, help="capacity weight for the weighted strategy (default 1)")
+    _connection_flags(p)
+    p.set_defaults(func=_workers_add)
+    p = workers.add_parser("list", help="list foreign workers")
+    p.add_argument("--json", action="store_true")
+    _connection_flags(p)
+    p.set_defaults(func=_workers_list)
+    p = workers.add_parser("remove", help="remove a foreign worker")
+    p.add_argument("name")
+    _connection_flags(p)
+    p.set_defaults(func=_workers_remove)
+
+    models = _group(sub, "models", "model-level settings of the farm")
+    p = models.add_parser("critical", help="mark a model latency-critical: degraded while < 2 healthy workers hold it")
+    p.add_argument("name", help="model name as /v1/models lists it")
+    p.add_argument("--off", action="store_true", help="unmark it")
+    _connection_flags(p)
+    p.set_defaults(func=_models_critical)

@@ -207,6 +207,37 @@ class RoutingAdapter(BaseModel):
     status: str
 
 
+WORKER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+ENV_VAR_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+
+
+class WorkerIn(_In):
+    url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=1024)
+    kind: str = Field(pattern=r"^(openai|ollama)$", description="openai (any OpenAI-compatible server) | ollama")
+    api_key_env: str | None = Field(default=None, pattern=ENV_VAR_PATTERN,
+                                    description="environment variable of the router holding the worker's API key")
+    weight: float = Field(default=1.0, gt=0, le=1e6)
+
+
+class WorkerOut(BaseModel):
+    name: str
+    url: str
+    kind: str
+    api_key_env: str | None
+    weight: float
+    created_at: datetime
+
+
+class CriticalModelIn(_In):
+    model: str = Field(min_length=1, max_length=255, description="model name as the catalog lists it")
+    critical: bool = True
+
+
+class CriticalModelOut(BaseModel):
+    model: str
+    created_at: datetime
+
+
 class RoutingTable(BaseModel):
     version: int
     aliases: dict[str, RoutingAlias]
@@ -214,6 +245,8 @@ class RoutingTable(BaseModel):
     base_models: dict[str, str]
     replicas: list[ReplicaOut]
     rank_limit: int
+    workers: list[WorkerOut] = Field(default_factory=list)
+    critical_models: list[str] = Field(default_factory=list)
     # keys revoked within the last hour: routers forget cached tenants verified with them
     revoked_key_ids: list[str] = []
 

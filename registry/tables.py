@@ -1,5 +1,5 @@
 """SQLModel tables of the registry: the seed's adapters, aliases, placements and adapter_stats, plus
-tenants, api_keys, replicas and the one-row registry_state (the routing table version).
+tenants, api_keys, replicas, workers (foreign servers), critical_models and the one-row registry_state (the routing table version).
 
 The schema itself is created and evolved by the Alembic migrations in `registry/migrations/`
 (run at start-up); these classes must stay in step with them.
@@ -126,6 +126,29 @@ class Replica(SQLModel, table=True):
     state: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
+class Worker(SQLModel, table=True):
+    """A foreign worker: a server the farm does not run (any OpenAI-compatible server, or Ollama).
+    Its secret is never stored: only the name of the environment variable the router reads it from."""
+
+    __tablename__ = "workers"
+
+    name: str = Field(sa_column=Column(String(63), primary_key=True))
+    url: str = Field(sa_column=Column(String(1024), nullable=False))
+    kind: str = Field(sa_column=Column(String(16), nullable=False))  # openai | ollama
+    api_key_env: str | None = Field(default=None, sa_column=Column(String(128), nullable=True))
+    weight: float = Field(default=1.0, sa_column=Column(Float, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
+
+
+class CriticalModel(SQLModel, table=True):
+    """A latency-critical model: the router reports it degraded while fewer than two healthy workers hold it."""
+
+    __tablename__ = "critical_models"
+
+    model: str = Field(sa_column=Column(String(255), primary_key=True))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
+
+
 class RegistryState(SQLModel, table=True):
     """One row (id 1): `version` grows on every change to what the routing table shows."""
 
@@ -135,4 +158,4 @@ class RegistryState(SQLModel, table=True):
     version: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
 
 
-ALL_TABLES = [Tenant, ApiKey, Adapter, Alias, Placement, AdapterStat, Replica, RegistryState]
+ALL_TABLES = [Tenant, ApiKey, Adapter, Alias, Placement, AdapterStat, Replica, Worker, CriticalModel, RegistryState]

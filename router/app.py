@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -39,6 +40,7 @@ from router.routing import RankedReplica, RouteRequest, choose
 from router.slo import SloTracker
 from router.stats import StatsAccumulator
 from router.view import ReplicaView
+from router.workers import ForeignWorkers, openai_error_body
 
 log = logging.getLogger("lorafarm.router")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -74,7 +76,10 @@ class RouterCore:
             load_threshold_queue=s.load_threshold_queue,
             metrics=self.metrics,
         )
+        self.workers = ForeignWorkers(self.http, health_failures=s.health_failures, timeout=s.state_timeout)
+        self.critical_models: list[str] = []
         self.catalog = Catalog(self.view, default_owners_k=s.default_owners_k)
+        self.catalog.workers = self.workers
         self.auth = AuthCache(
             self._verify_key,
             ttl=s.auth_ttl,
@@ -98,8 +103,9 @@ class RouterCore:
             read_timeout=s.read_timeout,
             non_stream_timeout=s.non_stream_timeout,
             is_responsive=self.view.is_responsive,
-            on_failure=self.view.mark_failure,
-            on_success=self.view.mark_success,
+            on_failure=self._mark_failure,
+            on_success=self._mark_success,
+            upstream_headers=self._upstream_headers,
             on_failover=lambda reason: self.metrics.failovers.labels(reason).inc(),
         )
         self.rng = random.Random()
@@ -141,6 +147,8 @@ class RouterCore:
             return False  # a slower concurrent poll: never go back to an older table
         self.view.apply_table(table)
         self._misses.clear()
+        self.workers.apply(table.get("workers"))
+        self.critical_models = [str(m) for m in table.get("critical_models") or ()]
         self.auth.revoke_key_ids(self.view.table.revoked_key_ids)
         self.etag = etag
         if self.view.table.version is not None:
@@ -215,7 +223,9 @@ class RouterCore:
             self.metrics.registry_errors.labels("stats").inc()
 
     async def _poll_states(self) -> None:
-        await self.view.poll_states(wait=self.settings.poll_interval * 0.9)
+        wait = self.settings.poll_interval * 0.9
+        await asyncio.gather(self.view.poll_states(wait=wait), self.workers.poll(wait=wait))
+        self.metrics.observe_critical(self.critical_holders())
 
     async def _evaluate_slo(self) -> None:
         self.slo.evaluate()
@@ -226,7 +236,7 @@ class RouterCore:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(2.0, s.registry_timeout)):
                 if await self.refresh_routing():
-                    await self.view.poll_states()
+                    await asyncio.gather(self.view.poll_states(), self.workers.poll())
         self._tasks = [
             asyncio.create_task(self._routing_loop()),
             asyncio.create_task(self._every(s.poll_interval, self._poll_states, "state")),
@@ -240,6 +250,7 @@ class RouterCore:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self.view.cancel_polls()
+        self.workers.cancel()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._push_stats(), timeout=2.0)  # the last partial window
         if self._own_registry:
@@ -278,12 +289,43 @@ class RouterCore:
         )
         return choose(
             rr,
-            self.view.snapshot(),
+            self.snapshot(),
             self.settings.strategy,
             resolved.owners_k,
             affinity=self.settings.affinity,
             rng=self.rng if self.settings.strategy == "random" else None,
         )
+
+    # -- lorafarm replicas and foreign workers, side by side ----------------------------------
+
+    def snapshot(self):
+        """The view's replicas plus the foreign workers: what `choose()` ranks."""
+        snap = self.view.snapshot()
+        return dataclasses.replace(snap, replicas=snap.replicas + self.workers.snapshots())
+
+    def _acquire(self, replica_id: str, tokens: int) -> None:
+        self.view.acquire(replica_id, tokens)
+        self.workers.acquire(replica_id, tokens)
+
+    def _release(self, replica_id: str, tokens: int) -> None:
+        self.view.release(replica_id, tokens)
+        self.workers.release(replica_id, tokens)
+
+    def _mark_failure(self, replica_id: str, why: str = "") -> None:
+        self.view.mark_failure(replica_id, why)
+        self.workers.mark_failure(replica_id, why)
+
+    def _mark_success(self, replica_id: str) -> None:
+        self.view.mark_success(replica_id)
+        self.workers.mark_success(replica_id)
+
+    def _upstream_headers(self, replica_id: str, headers: dict[str, str]) -> dict[str, str]:
+        return self.workers.headers_for(replica_id, headers) if self.workers.is_worker(replica_id) else headers
+
+    def critical_holders(self) -> dict[str, int]:
+        """Each latency-critical model -> how many healthy workers (replicas or foreign) hold it."""
+        snaps = [r for r in self.snapshot().replicas if r.healthy]
+        return {m: sum(1 for r in snaps if m in r.models) for m in self.critical_models}
 
     def _task_ok(self, replica_id: str, endpoint: str) -> bool:
         """Embedding workers take only /v1/embeddings, generating replicas everything else; a worker
@@ -365,7 +407,7 @@ class RouterCore:
 
         # count the request against its first choice at once, so concurrent routing sees it
         first = ranked[0].replica_id
-        self.view.acquire(first, parsed.cost)
+        self._acquire(first, parsed.cost)
         self.metrics.in_flight.inc()
         try:
             # a client that hangs up before the answer is ready cancels it (the upstream request is
@@ -382,11 +424,11 @@ class RouterCore:
                 ),
             )
         except BaseException:
-            self.view.release(first, parsed.cost)
+            self._release(first, parsed.cost)
             self.metrics.in_flight.dec()
             raise
         if isinstance(outcome, Failed):
-            self.view.release(first, parsed.cost)
+            self._release(first, parsed.cost)
             self.metrics.in_flight.dec()
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
             e2e = time.perf_counter() - arrived
@@ -394,16 +436,20 @@ class RouterCore:
             self._log(request_id, tenant, parsed, resolved, None, outcome.status_code, "none", None, e2e,
                       attempts=outcome.attempts)  # fmt: skip
             headers = {**outcome.headers, **base_headers}
+            content = outcome.body
+            if outcome.tried and self.workers.is_worker(outcome.tried[-1]):
+                content = openai_error_body(outcome.status_code, content)
+                headers["content-type"] = "application/json"
             return Response(
-                content=outcome.body,
+                content=content,
                 status_code=outcome.status_code,
                 headers=headers,
                 media_type=outcome.headers.get("content-type", "application/json"),
             )
         # the replica that answered may differ from the first choice: move the in-flight count
         if outcome.ranked.replica_id != first:
-            self.view.release(first, parsed.cost)
-            self.view.acquire(outcome.ranked.replica_id, parsed.cost)
+            self._release(first, parsed.cost)
+            self._acquire(outcome.ranked.replica_id, parsed.cost)
         return await self._respond(outcome, request_id, tenant, parsed, resolved, base_headers, arrived, endpoint)
 
     async def _respond(
@@ -417,6 +463,8 @@ class RouterCore:
         arrived: float,
         endpoint: str,
     ) -> Response:
+        if opened.status_code >= 400 and self.workers.is_worker(opened.ranked.replica_id):
+            await self._foreign_error(opened)
         tier = opened.response.headers.get("x-adapter-tier") or ("base" if resolved.kind == "base" else "unknown")
         route_class = opened.ranked.route_class
         headers = opened.passthrough_headers()
@@ -431,7 +479,7 @@ class RouterCore:
 
         def done(outcome: str) -> None:
             e2e = time.perf_counter() - arrived
-            self.view.release(replica_id, parsed.cost)
+            self._release(replica_id, parsed.cost)
             self.metrics.in_flight.dec()
             ok = outcome == "ok"
             if outcome == "upstream_error":
@@ -503,8 +551,26 @@ class RouterCore:
             tokens if tokens is not None else "-",
         )  # fmt: skip
 
+    async def _foreign_error(self, opened: Opened) -> None:
+        """A foreign worker's 4xx answer, read whole and rewritten as an OpenAI error object (streamed
+        requests too: an error is never an event stream)."""
+        chunks = [opened.first]
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            async for c in opened.rest:
+                chunks.append(c)
+        await opened.aclose()
+        opened.first = openai_error_body(opened.status_code, b"".join(chunks))
+        opened.streaming = False
+
+        async def _empty():
+            return
+            yield b""  # pragma: no cover
+
+        opened.rest = _empty()
+        opened.response.headers["content-type"] = "application/json"
+
     def health(self) -> tuple[int, dict]:
-        snap = self.view.snapshot()
+        snap = self.snapshot()
         status = "starting" if not self.view.table_loaded else "degraded" if self._registry_down_logged else "ok"
         body = {
             "status": status,  # degraded: serving from the last routing table, the registry is unreachable
@@ -514,7 +580,14 @@ class RouterCore:
             "replicas_healthy": sum(1 for r in snap.replicas if r.healthy),
             "replicas_possibly_warm": sum(1 for r in snap.replicas if r.healthy and not r.state_fresh),
             "strategy": self.settings.strategy,
+            "workers": self.workers.status(),
         }
+        holders = self.critical_holders()
+        degraded = [{"model": m, "workers": n} for m, n in sorted(holders.items()) if n < 2]
+        body["critical_models"] = [{"model": m, "workers": n} for m, n in sorted(holders.items())]
+        body["degraded_models"] = degraded
+        if degraded and status == "ok":
+            body["status"] = "degraded"  # the two-workers rule: failover is not ready for these models
         return (200 if self.view.table_loaded else 503), body
 
 

@@ -48,11 +48,13 @@ class Catalog:
         self._served: set[str] = set()
         self._hash_names: dict[str, str] = {}
         self._created = int(time.time())
+        self.workers = None  # router.workers.ForeignWorkers: their models join the union
 
     # -- union of replica models, cached ---------------------------------------------------
 
     def _refresh(self) -> None:
-        if self._built_for == self.view.catalog_version:
+        version = (self.view.catalog_version, self.workers.version if self.workers is not None else 0)
+        if self._built_for == version:
             return
         table = self.view.table
         served: dict[str, str] = {}  # model name -> base_model_hash of a replica serving it
@@ -69,13 +71,17 @@ class Catalog:
         for name, h in sorted(served.items()):
             if h:
                 hash_names.setdefault(h, name)
+        listed = set(served)
         self._served = set(served)
+        if self.workers is not None:  # foreign workers: listed while in routing, resolvable (-> 503) after
+            listed |= self.workers.listed_models()
+            self._served |= self.workers.known_models()
         self._hash_names = hash_names
         self._base = [
             {"id": name, "object": "model", "created": self._created, "owned_by": OWNED_BY}
-            for name in sorted(served)
+            for name in sorted(listed)
         ]
-        self._built_for = self.view.catalog_version
+        self._built_for = version
 
     def base_models(self) -> list[dict]:
         self._refresh()

@@ -75,6 +75,24 @@ class RouterMetrics:
             ["kind"], registry=r,
         )  # fmt: skip
 
+        self.critical_workers = Gauge(
+            "lorafarm_router_critical_model_workers",
+            "Healthy workers holding each latency-critical model (the two-workers rule wants >= 2)",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.critical_degraded = Gauge(
+            "lorafarm_router_critical_model_degraded", "1 while a latency-critical model has fewer than two "
+            "healthy workers", ["model"], registry=r,
+        )  # fmt: skip
+
+    def observe_critical(self, holders: dict[str, int]) -> None:
+        for (model,) in [k for k in list(self.critical_workers._metrics) if k[0] not in holders]:
+            self.critical_workers.remove(model)
+            self.critical_degraded.remove(model)
+        for model, n in holders.items():
+            self.critical_workers.labels(model).set(n)
+            self.critical_degraded.labels(model).set(1 if n < 2 else 0)
+
     def observe_replica(self, s: ReplicaSnapshot) -> None:
         self.replica_healthy.labels(s.replica_id).set(1 if s.healthy else 0)
         self.replica_state_fresh.labels(s.replica_id).set(1 if s.state_fresh else 0)

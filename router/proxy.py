@@ -163,6 +163,7 @@ class Proxy:
         on_failure: Callable[[str, str], None] | None = None,
         on_success: Callable[[str], None] | None = None,
         on_failover: Callable[[str], None] | None = None,
+        upstream_headers: Callable[[str, dict[str, str]], dict[str, str]] | None = None,
     ):
         self.http = http
         self.admin_token = admin_token
@@ -178,6 +179,8 @@ class Proxy:
         self.on_failure = on_failure or (lambda rid, why: None)
         self.on_success = on_success or (lambda rid: None)
         self.on_failover = on_failover or (lambda reason: None)
+        # per-upstream headers (a foreign worker gets its own key, never the admin token)
+        self.upstream_headers = upstream_headers or (lambda replica_id, h: h)
 
     def _headers(self, request_id: str, tenant_id: str) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": request_id, "x-lorafarm-tenant": tenant_id}
@@ -202,7 +205,7 @@ class Proxy:
             rid = cand.replica_id
             tried.append(rid)
             url = f"{cand.replica.url}{path}"
-            req = self.http.build_request("POST", url, content=body, headers=headers,
+            req = self.http.build_request("POST", url, content=body, headers=self.upstream_headers(rid, headers),
                                           timeout=self.whole_timeout if read_whole_body else self.timeout)
             response: httpx.Response | None = None
             watch: asyncio.Task | None = None

@@ -25,6 +25,10 @@ Rules (DESIGN.md section 5):
   expected TTFT) go to the class order, then to the strategy: least_tokens (default),
   least_connections, weighted (tokens in flight per unit of capacity), random;
 - other candidates (cold, not owners) follow as failover, by the same key;
+- a base model (no adapter): replicas and foreign workers reporting it loaded (base) before foreign
+  workers that list it but do not report it loaded, or whose catalog could not be fetched
+  (installed); the strategy orders within each; a worker that does not list the model is never a
+  candidate;
 - a replica over its load threshold drops behind the warm and owner replicas that are not; when
   every warm or owner replica is over it, the least loaded candidate is tried first (spill);
 - if no candidate is healthy, the unhealthy ones are returned as a last resort (a replica whose
@@ -44,9 +48,13 @@ STRATEGIES = ("least_tokens", "least_connections", "weighted", "random")
 
 # readiness classes, best first
 GPU, RAM, DISK, OWNER, ANY, BASE = "gpu", "ram", "disk", "owner", "any", "base"
-_CLASS_RANK = {GPU: 0, RAM: 1, DISK: 2, OWNER: 3, BASE: 3, ANY: 4}
+# a foreign worker that lists the base model but does not report it loaded, or whose catalog could
+# not be fetched (possibly warm)
+INSTALLED = "installed"
+_CLASS_RANK = {GPU: 0, RAM: 1, DISK: 2, OWNER: 3, BASE: 3, INSTALLED: 4, ANY: 5}
 # routing class as reported in metrics and logs
-ROUTE_CLASS = {GPU: "warm", RAM: "warm", DISK: "warm", BASE: "warm", OWNER: "owner", ANY: "cold"}
+ROUTE_CLASS = {GPU: "warm", RAM: "warm", DISK: "warm", BASE: "warm", OWNER: "owner", INSTALLED: "installed",
+               ANY: "cold"}
 # expected load time per source tier when a replica reports none (the seed's budgets, 80 MB adapter)
 DEFAULT_LOAD_MS = {GPU: 0.0, RAM: 8.0, DISK: 40.0, "remote": 400.0}
 
@@ -72,6 +80,8 @@ class ReplicaSnapshot:
     healthy: bool = True  # False after N health checks failed in a row
     state_fresh: bool = True  # False: last state fetch failed; lists above are the last known
     only_adapter: str | None = None  # a merged-mode replica: it serves this adapter and nothing else
+    # foreign workers only: the models they report loaded (None: a lorafarm replica, whose base is loaded)
+    loaded_models: frozenset[str] | None = None
 
     def expected_load_ms(self, adapter_id: str, tier: str) -> float:
         """What a request for `adapter_id` waits for its load here, from `tier` (gpu/ram/disk/remote)."""
@@ -195,7 +205,7 @@ def choose(
     scored: list[_Scored] = []
     for r in pool:
         if not adapter:
-            klass = BASE
+            klass = BASE if _warm_base(r, request, affinity) else INSTALLED
         elif not affinity:
             klass = ANY
         elif adapter in r.gpu_adapters:
@@ -220,8 +230,9 @@ def choose(
         return _strategy_key(strategy, s)
 
     if not affinity or not adapter:
-        # one class: the strategy alone, replicas over their threshold last
-        ordered = sorted(scored, key=lambda s: (s.overloaded, by_strategy(s)))
+        # base models: warm (lorafarm replicas, workers reporting the model loaded) before installed
+        # or possibly-warm foreign workers; the strategy within each; replicas over their threshold last
+        ordered = sorted(scored, key=lambda s: (s.overloaded, _CLASS_RANK[s.klass], by_strategy(s)))
         return [_ranked(s) for s in ordered]
 
     def by_class(s: _Scored) -> tuple:
@@ -236,6 +247,14 @@ def choose(
     spill = min(scored, key=lambda s: (s.overloaded, _load(s.replica), s.replica.connections, s.tiebreak))
     rest = sorted((s for s in scored if s is not spill), key=lambda s: (s.overloaded, _CLASS_RANK[s.klass], by_strategy(s)))
     return [_ranked(spill, route_class="spill" if spill.klass == ANY else None)] + [_ranked(s) for s in rest]
+
+
+def _warm_base(r: ReplicaSnapshot, request: RouteRequest, affinity: bool) -> bool:
+    """Is `r` known to hold the requested base model loaded? Lorafarm replicas always do; a foreign
+    worker does when its fresh catalog reports the model loaded (warm-first across kinds)."""
+    if r.loaded_models is None or not affinity:
+        return True
+    return r.state_fresh and bool(request.model_name) and request.model_name in r.loaded_models
 
 
 def _ranked(s: _Scored, route_class: str | None = None) -> RankedReplica:

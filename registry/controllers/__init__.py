@@ -5,6 +5,7 @@ from registry.controllers.aliases import AliasController
 from registry.controllers.replicas import PlacementController, ReplicaController
 from registry.controllers.routing import RoutingController, StatsController
 from registry.controllers.tenants import AuthController, TenantController
+from registry.controllers.workers import CriticalModelController, WorkerController
 
 CONTROLLERS = [
     TenantController,
@@ -15,4 +16,6 @@ CONTROLLERS = [
     PlacementController,
     StatsController,
     RoutingController,
+    WorkerController,
+    CriticalModelController,
 ]

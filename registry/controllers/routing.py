@@ -15,8 +15,20 @@ from sqlalchemy import delete, select
 from registry import placement
 from registry.context import RegistryContext
 from registry.controllers.common import admin_guard, errors, get_ctx, replica_out
+from registry.controllers.workers import worker_out
 from registry.schemas import RoutingAdapter, RoutingAlias, RoutingTable, StatsIn
-from registry.tables import Adapter, AdapterStat, ApiKey, Alias, RegistryState, Replica, as_utc, utcnow
+from registry.tables import (
+    Adapter,
+    AdapterStat,
+    Alias,
+    ApiKey,
+    CriticalModel,
+    RegistryState,
+    Replica,
+    Worker,
+    as_utc,
+    utcnow,
+)
 
 
 LONG_POLL_STEP_S = 0.05  # how often a held routing poll re-reads the version
@@ -108,6 +120,8 @@ class RoutingController(Controller):
             )).all()
             replicas = (await session.execute(select(Replica).order_by(Replica.replica_id))).scalars().all()
             known = await ctx.known_base_hashes(session)
+            workers = (await session.execute(select(Worker).order_by(Worker.name))).scalars().all()
+            critical = (await session.execute(select(CriticalModel.model).order_by(CriticalModel.model))).scalars().all()
             since = utcnow() - REVOKED_KEPT
             revoked = [
                 k for k, at in (await session.execute(
@@ -139,5 +153,7 @@ class RoutingController(Controller):
             replicas=[replica_out(r) for r in replicas],
             rank_limit=ctx.settings.rank_limit,
             revoked_key_ids=sorted(revoked),
+            workers=[worker_out(w) for w in workers],
+            critical_models=list(critical),
         )
         return Response(table, headers={"ETag": etag, "Cache-Control": "no-cache"})

@@ -15,16 +15,91 @@ from lorafarm.farm import EMBEDDING_MODEL_NAME, Farm, FarmPorts
 from tests.e2e.conftest import running
 
 
+FOREIGN = "hf-tiny-s1"  # the second dev model, served by `transformers serve` (a foreign worker)
+WORKER_KEY_ENV = "LORAFARM_TEST_STANDIN_KEY"
+
+
+class TransformersServe:
+    """`transformers serve` (transformers' own OpenAI-compatible server) pinned to a local folder."""
+
+    def __init__(self, folder, port: int, log):
+        self.folder, self.port, self.log = folder, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self) -> TransformersServe:
+        import os
+        import shutil
+        import subprocess
+
+        exe = shutil.which("transformers") or "transformers"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        self.proc = subprocess.Popen([exe, "serve", self.folder.name, "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--device", "cpu"], cwd=self.folder.parent, env=env,
+                                     stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait(self, timeout: float = 180.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, open(self.log).read()[-2000:]
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError("transformers serve did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def lorafarm_cli(info, *args: str) -> str:
+    import subprocess
+    import sys
+
+    farm = info["_farm"]
+    out = subprocess.run([sys.executable, "-m", "lorafarm", *args, "--farm", str(farm.farm_json)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 @pytest.fixture(scope="module")
-def mixed(tmp_path_factory, dev_model, canaries):
+def mixed(tmp_path_factory, dev_model, dev_model_b, canaries):
+    import os
     import shutil
 
+    from lorafarm.farm import _free_port
+
     state = tmp_path_factory.mktemp("mixed")
-    farm = Farm(state, replicas=1, ports=FarmPorts.free(2), progress=False, demo_adapters=1, embeddings=True)
+    foreign_dir = state / "foreign" / FOREIGN
+    shutil.copytree(dev_model_b, foreign_dir)
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    ts = TransformersServe(foreign_dir, _free_port(), state / "logs" / "transformers-serve.log").start()
+    os.environ[WORKER_KEY_ENV] = "standin-secret"  # the router (a child process) reads worker keys from its env
+    farm = Farm(state, replicas=1, ports=FarmPorts.free(2), progress=False, demo_adapters=1, embeddings=True,
+                router_args=["--strategy", "weighted", "--health-failures", "4"])
     shutil.copytree(dev_model, farm.model_dir)
     shutil.copytree(canaries / "c0000", farm.adapters_dir / "c0000")
-    with running(farm) as info:
-        yield info
+    try:
+        with running(farm) as info:
+            ts.wait()
+            info["_ts"] = ts
+            lorafarm_cli(info, "workers", "add", "ts", "--url", ts.url, "--kind", "openai")
+            wait_listed(info, FOREIGN)
+            yield info
+    finally:
+        ts.stop()
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +209,146 @@ def test_embeddings_unknown_model_and_bad_json(mixed):
 def test_models_lists_chat_and_embedding_models_once(client):
     ids = [m.id for m in client.models.list().data]
     assert ids.count(EMBEDDING_MODEL_NAME) == 1 and ids.count("lorafarm-dev-tiny") == 1
+
+
+# -- foreign workers ------------------------------------------------------------------------------
+
+
+def _models(info) -> list[dict]:
+    key = info["tenants"][0]["api_key"]
+    return httpx.get(info["router_url"] + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+
+
+def _health(info) -> dict:
+    return httpx.get(info["router_url"] + "/health").json()
+
+
+def wait_until(pred, timeout: float = 60.0, what: str = "condition"):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_listed(info, model: str, listed: bool = True) -> None:
+    wait_until(lambda: (model in {m["id"] for m in _models(info)}) == listed, what=f"{model} listed={listed}")
+
+
+def _chat(info, model: str, stream: bool = False) -> httpx.Response:
+    key = info["tenants"][0]["api_key"]
+    return httpx.post(info["router_url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            "stream": stream}, timeout=60)
+
+
+def test_catalog_is_one_deduplicated_list_naming_no_host(mixed):
+    models = _models(mixed)
+    ids = [m["id"] for m in models]
+    for name in ("lorafarm-dev-tiny", EMBEDDING_MODEL_NAME, FOREIGN):
+        assert ids.count(name) == 1, ids
+    assert len(ids) == len(set(ids))
+    ts_url = mixed["_ts"].url
+    for m in models:
+        assert "127.0.0.1" not in str(m.get("owned_by")) and ts_url not in str(m)
+
+
+def test_foreign_chat_streams_through_the_official_client_and_reaches_only_that_worker(mixed, client):
+    stream = client.chat.completions.create(model=FOREIGN, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    r = _chat(mixed, FOREIGN)
+    assert r.status_code == 200 and r.headers["x-replica-id"] == "worker:ts"
+    assert r.json()["choices"][0]["message"]["content"]
+    # the lorafarm base still goes to the lorafarm replica, embeddings to the embedding worker
+    assert _chat(mixed, "lorafarm-dev-tiny").headers["x-replica-id"] == "r0"
+
+
+def test_unknown_model_is_404_model_not_found(mixed, client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-worker-lists-this", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+
+
+def test_warm_first_then_weights_within_a_class(mixed):
+    from tests.e2e.standin import StandIn
+
+    cold = StandIn("cold", {"shared-model": "unloaded", "w-model": "unloaded"}).start()
+    warm = StandIn("warm", {"shared-model": "loaded", "w-model": "unloaded"}, api_key="standin-secret").start()
+    try:
+        lorafarm_cli(mixed, "workers", "add", "cold", "--url", cold.url, "--kind", "openai", "--weight", "8")
+        lorafarm_cli(mixed, "workers", "add", "warm", "--url", warm.url, "--kind", "openai",
+                     "--api-key-env", WORKER_KEY_ENV, "--weight", "1")
+        listed = lorafarm_cli(mixed, "workers", "list")
+        assert "standin-secret" not in listed and WORKER_KEY_ENV in listed
+        wait_until(lambda: {w["worker"]: w for w in _health(mixed)["workers"]}.get("warm", {}).get("loaded"),
+                   what="warm worker polled")
+        wait_until(lambda: {w["worker"]: w for w in _health(mixed)["workers"]}.get("cold", {}).get("models"),
+                   what="cold worker polled")
+        # the worker reporting the model loaded wins although the other is 8x heavier
+        for _ in range(4):
+            r = _chat(mixed, "shared-model")
+            assert r.status_code == 200 and r.headers["x-replica-id"] == "worker:warm"
+        assert warm.chats == 4 and cold.chats == 0
+        # the secret came from the router's environment; the admin token never left the farm
+        assert "Bearer standin-secret" in warm.auth_seen
+        assert not any(mixed["admin_token"] in a for a in warm.auth_seen + cold.auth_seen)
+        # same class (both installed, not loaded): the weighted strategy favours the bigger box
+        for _ in range(4):
+            assert _chat(mixed, "w-model").headers["x-replica-id"] == "worker:cold"
+        lorafarm_cli(mixed, "workers", "add", "cold", "--url", cold.url, "--kind", "openai", "--weight", "0.1")
+        wait_until(lambda: {w["worker"]: w for w in _health(mixed)["workers"]}.get("cold", {}).get("weight") == 0.1,
+                   what="new weight applied")
+        for _ in range(4):
+            assert _chat(mixed, "w-model").headers["x-replica-id"] == "worker:warm"
+        # a stand-in answers streamed chat too; the client sees the worker's text
+        r = _chat(mixed, "shared-model", stream=True)
+        assert "from" in r.text and "warm" in r.text and r.text.rstrip().endswith("[DONE]")
+    finally:
+        for name in ("cold", "warm"):
+            lorafarm_cli(mixed, "workers", "remove", name)
+        cold.stop()
+        warm.stop()
+    wait_listed(mixed, "shared-model", listed=False)
+
+
+def test_critical_model_on_one_worker_is_degraded(mixed):
+    lorafarm_cli(mixed, "models", "critical", FOREIGN)
+    try:
+        h = wait_until(lambda: (h := _health(mixed))["degraded_models"] and h, what="degraded")
+        assert h["status"] == "degraded" and h["degraded_models"] == [{"model": FOREIGN, "workers": 1}]
+        line = f'lorafarm_router_critical_model_degraded{{model="{FOREIGN}"}} 1.0'
+        wait_until(lambda: line in httpx.get(mixed["router_url"] + "/metrics").text, what="metric")  # next poll
+        status = lorafarm_cli(mixed, "farm", "status")
+        assert "degraded" in status and FOREIGN in status
+    finally:
+        lorafarm_cli(mixed, "models", "critical", FOREIGN, "--off")
+    wait_until(lambda: not _health(mixed)["degraded_models"], what="not degraded")
+
+
+def test_foreign_worker_stopped_then_restarted(mixed):
+    ts = mixed["_ts"]
+    ts.stop()
+    # possibly warm: its catalog cannot be fetched, it stays listed until its health checks fail
+    h = wait_until(lambda: next((w for w in _health(mixed)["workers"] if w["worker"] == "ts"
+                                 and not w["catalog_fresh"]), None), what="catalog unavailable")
+    if h["healthy"]:
+        assert FOREIGN in {m["id"] for m in _models(mixed)}
+    wait_until(lambda: any(w["worker"] == "ts" and not w["healthy"] for w in _health(mixed)["workers"]),
+               what="health checks failed")
+    r = _chat(mixed, FOREIGN)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable"
+    assert FOREIGN not in {m["id"] for m in _models(mixed)}
+    ts.start()
+    ts.wait()
+    wait_listed(mixed, FOREIGN)  # back without a router restart
+    r = _chat(mixed, FOREIGN)
+    assert r.status_code == 200 and r.headers["x-replica-id"] == "worker:ts"
