@@ -91,3 +91,12 @@ class StandIn:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+if __name__ == "__main__":  # a stand-in as its own process: python -m tests.e2e.standin NAME PORT MODEL
+    import sys
+
+    name, port, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    s = StandIn(name, {model: "loaded"})
+    s.port, s.url = port, f"http://127.0.0.1:{port}"
+    uvicorn.run(s._app(), host="127.0.0.1", port=port, log_level="warning", lifespan="off")

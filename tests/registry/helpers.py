@@ -18,7 +18,7 @@ BASE_NAME = "lorafarm-dev-tiny"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 REGISTRY_TABLES = ["registry_state", "replicas", "adapter_stats", "placements", "aliases", "adapters", "api_keys",
-                   "tenants", "alembic_version"]
+                   "tenants", "workers", "critical_models", "alembic_version"]
 
 
 async def reset_postgres(url: str) -> None:
