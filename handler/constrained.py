@@ -165,19 +165,18 @@ def _executor():
 def consume(matchers_tokens: list[tuple]) -> None:
     """Advance each (matcher, token) pair at once (in parallel)."""
     if matchers_tokens:
-        from llguidance.torch import consume_token_par
-
-        consume_token_par(_executor(), matchers_tokens)
+        _executor().consume_token_par(matchers_tokens)
 
 
 def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
     """bool [len(matchers), vocab_size]: the tokens each matcher allows next (a matcher in an error
     state, which should not happen, allows everything, with a warning)."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
-
     global _BITS
-    words = allocate_token_bitmask(len(matchers), vocab_size)
-    fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], words)
+    # llguidance.torch has these helpers, but importing it runs a torch.compile decorator (~10 s
+    # of torch._dynamo import on first use); the executor's pointer API is all they wrap
+    words = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], words.data_ptr(),
+                                        words.shape[1] * 4, len(matchers))
     if _BITS is None:
         _BITS = torch.arange(32, dtype=torch.int32)
     bits = (words.unsqueeze(-1) >> _BITS) & 1  # [R, W, 32], little-endian within a word
