@@ -133,6 +133,15 @@ def test_autoscaler_reads_metrics_the_replica_exports(docs):
                           "lorafarm_tokens_in_flight": a.target_tokens_in_flight}
 
 
+def test_router_args_parse_and_use_the_simulated_threshold(docs):
+    from loadtests.simulate import SimConfig
+    from lorafarm.cli import build_parser
+
+    args = docs[("Deployment", "router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    ns = build_parser().parse_args(args)
+    assert ns.load_threshold_tokens == SimConfig().load_threshold_tokens
+
+
 def test_servicemonitor_selects_services_with_an_http_port(docs):
     sm = docs[("ServiceMonitor", "lorafarm")]["spec"]
     apps = set(sm["selector"]["matchExpressions"][0]["values"])
