@@ -337,6 +337,28 @@ def test_preemption_keeps_greedy_outputs(dev_model, engine, canaries, prompts, c
         assert col.tokens(rid) == ref.tokens(rid), rid
 
 
+def test_cancel_a_preempted_request(dev_model, prompts):
+    """A preempted request waits with its output so far; cancelling it there ends it cleanly."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=8 * 16 * PER_TOKEN, max_batch=8, rank_pools={8: 1})
+    col = Collector()
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        e.add_request(f"c{i}", prompts[80 + i][:30], params, None, col)
+    for _ in range(200):
+        e.step()
+        victims = [r.id for r in e._waiting if r.out]  # noqa: SLF001 - preempted, back in the queue
+        if victims:
+            break
+    assert victims and e.stats().preemptions > 0
+    assert e.cancel(victims[0])
+    drain(e)
+    assert col.final(victims[0]).finish_reason == "cancelled"
+    for i in range(4):
+        if f"c{i}" != victims[0]:
+            assert col.final(f"c{i}").finish_reason == "length" and len(col.tokens(f"c{i}")) == 60
+    assert e.stats().kv_cache_usage == 0.0 and e.stats().running == 0
+
+
 def test_cancel_frees_the_row_at_once(engine, prompts):
     col = Collector()
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
