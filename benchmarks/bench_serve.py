@@ -26,12 +26,24 @@ import pytest
 from benchmarks.bench_engine import SUITE, _small_model
 
 CONCURRENCY, REQUESTS, MAX_TOKENS, ROUNDS = 32, 64, 32, 2
+KV_TOKENS, CB_BLOCK = 8192, 32  # the same KV capacity for both (transformers sizes its cache to RAM otherwise)
+MAX_RSS_BYTES = 6 << 30  # a shared machine: stop if a server grows past this
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -41,6 +53,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> Non
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
+        if _rss(proc.pid) > MAX_RSS_BYTES:
+            raise RuntimeError(f"server {proc.args[:3]} uses more than {MAX_RSS_BYTES >> 30} GiB")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
@@ -79,6 +93,16 @@ async def _round(base_url: str, model: str, prompts: list[str]) -> dict:
     return {"wall": wall, "tokens": sum(tokens), "ttft": ttft}
 
 
+def _kv_bytes_per_token(model) -> int:
+    from handler.kvcache import KVCache
+    from handler.model import ModelConfig, load_hf_config
+
+    import torch
+
+    c = ModelConfig.from_hf(load_hf_config(model))
+    return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+
+
 def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
     if shutil.which("transformers") is None:
         pytest.skip("the transformers CLI is not installed")
@@ -91,10 +115,12 @@ def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
         "ours": subprocess.Popen(
             [sys.executable, "-m", "lorafarm", "replica", "--base", str(model), "--host", "127.0.0.1",
              "--port", str(ours_port), "--model-name", "base", "--device", "cpu", "--dtype", "float32",
-             "--max-batch", str(CONCURRENCY), "--disk-dir", str(tmp_path / "replica"), "--log-level", "warning"],
+             "--max-batch", str(CONCURRENCY), "--kv-cache-bytes", str(KV_TOKENS * _kv_bytes_per_token(model)),
+             "--disk-dir", str(tmp_path / "replica"), "--log-level", "warning"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "ours.log", "w")),
         "hf": subprocess.Popen(
             ["transformers", "serve", str(model), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+             "--cb-block-size", str(CB_BLOCK), "--cb-num-blocks", str(KV_TOKENS // CB_BLOCK),
              "--host", "127.0.0.1", "--port", str(hf_port), "--log-level", "warning"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "hf.log", "w")),
     }
@@ -113,6 +139,8 @@ def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
             for name in order:
                 url, mname, _ = targets[name]
                 runs[name].append(asyncio.run(_round(url, mname, prompts)))
+                for n, p in procs.items():
+                    assert _rss(p.pid) < MAX_RSS_BYTES, f"{n} server grew past {MAX_RSS_BYTES >> 30} GiB"
 
         benchmark.group = "serve (one round = ours and transformers serve, alternating)"
         benchmark.pedantic(rounds, rounds=1, iterations=1, warmup_rounds=0)
@@ -133,4 +161,5 @@ def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
                          completion_tokens=tok)
     bench_report.note(SUITE, "serve", f"small dev model, fp32, CPU; {REQUESTS} streamed chat completions per round at "
                                       f"concurrency {CONCURRENCY}, max_tokens {MAX_TOKENS}; ours = lorafarm replica, "
-                                      f"theirs = transformers serve --continuous-batching; both OMP_NUM_THREADS=1")
+                                      f"theirs = transformers serve --continuous-batching; both OMP_NUM_THREADS=1 and a KV cache of "
+                                      f"{KV_TOKENS} tokens")
