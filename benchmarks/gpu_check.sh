@@ -152,4 +152,21 @@ EOF
 else
   echo "gpu_check: vllm does not install here; skipped"
 fi
+# issue 15: the embedding worker's encoder on the GPU against sentence-transformers' encode (same folder)
+python - <<'EOF'
+import tempfile, time, torch
+from pathlib import Path
+from sentence_transformers import SentenceTransformer
+from handler.embed import Encoder
+from lorafarm.dev.embedding import write_dev_embedding_model
+folder = write_dev_embedding_model(Path(tempfile.mkdtemp()) / "e", size="small")
+texts = [f"ticket {i}: where is my order " * (1 + i % 4) for i in range(32)]
+st = SentenceTransformer(str(folder), device="cuda"); enc = Encoder(folder, device="cuda")
+want = st.encode(texts, convert_to_tensor=True).float().cpu(); got = enc.embed_ids(enc.tokenize(texts))
+print("embeddings on cuda: max |encoder - sentence-transformers| =", (got - want).abs().max().item())
+for name, fn in (("encoder", lambda: enc.embed_ids(enc.tokenize(texts))), ("st", lambda: st.encode(texts, batch_size=32))):
+    fn(); torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(50): fn()
+    torch.cuda.synchronize(); print(f"embeddings on cuda, {name}: {50 * 32 / (time.perf_counter() - t0):.0f} inputs/s at batch 32")
+EOF
 echo "gpu_check: done; results in var/bench/cuda-*.json and docs/benchmarks.md"

@@ -1,5 +1,6 @@
 """A stand-in OpenAI-compatible server (not one of our components): `/v1/models` with a chosen
-`status` per model, and `/v1/chat/completions` answering with the server's name, streamed or not.
+`status` per model (and Ollama's `/api/tags` + `/api/ps` from the same table), and
+`/v1/chat/completions` answering with the server's name, streamed or not.
 It runs uvicorn in a thread on a free port and counts the requests it served."""
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from litestar.response import Stream
 
 
 class StandIn:
-    def __init__(self, name: str, models: dict[str, str | None], api_key: str | None = None):
+    def __init__(self, name: str, models: dict[str, str | None], api_key: str | None = None,
+                 refuse: tuple[str, ...] = ()):
         self.name = name
+        self.refuse = refuse  # listed, but chat answers 404 {"error": "..."} as Ollama does
         self.models = models  # id -> status ("loaded", "unloaded", None: no status field)
         self.api_key = api_key
         self.chats = 0
@@ -55,7 +58,7 @@ class StandIn:
             if (denied := _denied(request)) is not None:
                 return denied
             body = await request.json()
-            if body.get("model") not in me.models:
+            if body.get("model") not in me.models or body.get("model") in me.refuse:
                 return Response({"error": f"model {body.get('model')!r} not found"}, status_code=404)
             me.chats += 1
             text = f"from {me.name}"
@@ -74,7 +77,15 @@ class StandIn:
 
             return Stream(events(), media_type="text/event-stream")
 
-        return Litestar(route_handlers=[models, chat], openapi_config=None)
+        @get("/api/tags")
+        async def tags() -> Response:  # Ollama: installed models
+            return Response({"models": [{"name": m, "model": m} for m in me.models]})
+
+        @get("/api/ps")
+        async def ps() -> Response:  # Ollama: loaded models
+            return Response({"models": [{"name": m, "model": m} for m, st in me.models.items() if st == "loaded"]})
+
+        return Litestar(route_handlers=[models, chat, tags, ps], openapi_config=None)
 
     def start(self) -> StandIn:
         config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")

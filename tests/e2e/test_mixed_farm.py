@@ -320,6 +320,28 @@ def test_warm_first_then_weights_within_a_class(mixed):
     wait_listed(mixed, "shared-model", listed=False)
 
 
+def test_ollama_worker_listed_routed_and_its_errors_mapped(mixed):
+    from tests.e2e.standin import StandIn
+
+    ol = StandIn("ollama", {"llama3:8b": "loaded", "ghost:latest": None}, refuse=("ghost:latest",)).start()
+    try:
+        lorafarm_cli(mixed, "workers", "add", "ol", "--url", ol.url, "--kind", "ollama")
+        wait_listed(mixed, "ghost:latest")
+        w = next(w for w in _health(mixed)["workers"] if w["worker"] == "ol")
+        assert w["loaded"] == ["llama3:8b"] and sorted(w["models"]) == ["ghost:latest", "llama3:8b"]
+        r = _chat(mixed, "llama3:8b")
+        assert r.status_code == 200 and r.headers["x-replica-id"] == "worker:ol"
+        # Ollama's own error shape {"error": "text"} reaches the client as an OpenAI error object
+        for stream in (False, True):
+            r = _chat(mixed, "ghost:latest", stream=stream)
+            assert r.status_code == 404
+            err = r.json()["error"]
+            assert err["code"] == "model_not_found" and "not found" in err["message"] and err["type"]
+    finally:
+        lorafarm_cli(mixed, "workers", "remove", "ol")
+        ol.stop()
+
+
 def test_critical_model_on_one_worker_is_degraded(mixed):
     lorafarm_cli(mixed, "models", "critical", FOREIGN)
     try:
