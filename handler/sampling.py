@@ -214,8 +214,10 @@ def filter_probs(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_
     dev = probs.device
     V = probs.shape[1]
     if any(0 < k < V for k in top_k):
-        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)
-        kth = probs.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        on = [0 < k < V for k in top_k]
+        k = torch.tensor([k if o else 1 for k, o in zip(top_k, on)], device=dev)
+        kth = probs.topk(max(k for k, o in zip(top_k, on) if o), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        kth = kth.masked_fill(~torch.tensor(on, device=dev).unsqueeze(1), 0.0)  # rows without top_k keep all
         probs = probs.masked_fill(probs < kth, 0.0)
     if any(p < 1.0 for p in top_p):
         tp = _col(top_p, dev)
