@@ -66,6 +66,7 @@ class AutoscaleConfig:
     sync_s: float = 15.0
     metric_window_s: float = 60.0  # the Prometheus query's averaging window
     scale_down_window_s: float = 300.0
+    scale_up_window_s: float = 0.0  # Kubernetes default (120 s was tried: worse, see docs/scale.md)
     tolerance: float = 0.1
     startup_s: float = 30.0  # pod scheduled + container started (node already up)
     base_load_s: float = 14.0  # the seed's 14 GB at 1 GB/s
@@ -352,7 +353,7 @@ class Simulation:
 
             a = cfg.autoscale
             self.hpa = Hpa(min_replicas=a.min_replicas, max_replicas=a.max_replicas, tolerance=a.tolerance,
-                           scale_down_window_s=a.scale_down_window_s)
+                           scale_down_window_s=a.scale_down_window_s, scale_up_window_s=a.scale_up_window_s)
         self.desired = cfg.replicas
         self.pending_starts = 0
 

@@ -121,6 +121,7 @@ def test_autoscaler_reads_metrics_the_replica_exports(docs):
 
     a = AutoscaleConfig()  # the simulator models this same rule
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == a.scale_down_window_s
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == a.scale_up_window_s
     assert so["pollingInterval"] == a.sync_s
     thresholds = {}
     exported = ReplicaMetrics("r0", "m").render().decode()

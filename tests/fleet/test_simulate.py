@@ -94,3 +94,10 @@ def test_trace_drives_arrivals_and_lengths(tmp_path, capsys):
     assert 150 <= last["requests"] <= 250  # ~4 req/s over the 50 measured seconds (warm-up 10 s)
     assert last["output_tokens_per_s"] == pytest.approx(4 * 6, rel=0.25)  # generated tokens 5..7
     assert main(["simulate", "--trace", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_hpa_scale_up_window_takes_the_lowest_recent_recommendation():
+    h = Hpa(min_replicas=1, max_replicas=50, scale_up_window_s=60)
+    assert h.desired(0, 10, {"q": (2.0, 2.0)}) == 10
+    assert h.desired(15, 10, {"q": (4.0, 2.0)}) == 10  # 20 wanted, but 10 was recommended 15 s ago
+    assert h.desired(75, 10, {"q": (4.0, 2.0)}) == 20  # the low one left the window
