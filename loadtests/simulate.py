@@ -162,7 +162,6 @@ class SimReplica:
                       for t in ("gpu", "ram", "disk")}
         self._held_sig: tuple | None = None
         self._held_state: tuple = ([], [], {})
-        self.accepting = True
         self.busy_time = 0.0
         self.served_tokens = 0
         self._seq = 0
@@ -354,7 +353,6 @@ class Simulation:
             a = cfg.autoscale
             self.hpa = Hpa(min_replicas=a.min_replicas, max_replicas=a.max_replicas, tolerance=a.tolerance,
                            scale_down_window_s=a.scale_down_window_s, scale_up_window_s=a.scale_up_window_s)
-        self.desired = cfg.replicas
         self.pending_starts = 0
 
     def rank_of(self, adapter_id: str) -> int:
@@ -397,7 +395,7 @@ class Simulation:
     def remove_replica(self) -> None:
         """Scale down: the highest ordinal leaves (a StatefulSet); its running requests finish."""
         rid = max(self.replicas, key=lambda r: int(r.rsplit("-", 1)[1]))
-        self.replicas.pop(rid).accepting = False
+        self.replicas.pop(rid)  # out of the table: no new requests; those in flight finish
         self._snaps.clear()
         if not self.pending_starts:
             self.next_ordinal = int(rid.rsplit("-", 1)[1])  # the ordinal is reused by the next scale-up
