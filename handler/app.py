@@ -70,6 +70,8 @@ class ReplicaConfig:
     placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
     prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
     pull_owned: bool = True
+    prefetch_interval_s: float = 10.0  # pre-warm the most requested adapters this often (0: never)
+    prefetch_top: int = 16  # how many of the most requested adapters to keep warm
     shutdown_grace_s: float = 10.0  # SIGTERM: streams in flight get this long to finish
 
     def resolved_model_name(self) -> str:
@@ -198,10 +200,26 @@ class ReplicaService:
         await asyncio.to_thread(self.handler.initialize, ctx)
         await self.handler.start()
         self.ready = True
+        if cfg.prefetch_interval_s > 0 and not cfg.merged_adapter:
+            self.tasks.append(asyncio.create_task(self._prefetch_loop(), name="prefetch"))
         if self.registry is not None:
             self.tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
         else:
             self.pull_done.set()
+
+    async def _prefetch_loop(self) -> None:
+        """Popularity prefetch: the adapters this replica's traffic asks for most go back into RAM
+        (and free device slots) before their next request."""
+        while True:
+            await asyncio.sleep(self.config.prefetch_interval_s)
+            try:
+                moved = await self.handler.cache.prefetch_popular(self.config.prefetch_top)
+                if moved:
+                    log.info("prefetched %d popular adapters: %s", len(moved), moved)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("popularity prefetch: %s", e)
 
     async def _fetch_merged(self, ctx: HandlerContext, source, trusted) -> Path:
         """Merged mode: fetch and verify the adapter before the engine is built."""

@@ -398,6 +398,7 @@ class AdapterCache:
 
     def _count_hit(self, adapter_id: str, tier: str) -> None:
         self.policy.count_request(tier)
+        self.policy.note_request(adapter_id)
         if adapter_id in self._prefetched:
             self._prefetched.discard(adapter_id)
             self.prefetch_hits += 1
@@ -457,6 +458,29 @@ class AdapterCache:
         except Exception as e:  # a refused archive: say why, as a load would
             raise AdapterLoadError(adapter_id, error_code(e), str(e) or e.__class__.__name__) from e
         return tier
+
+    async def prefetch_popular(self, n: int, *, fill_slots: bool = True) -> dict[str, str]:
+        """Pre-warm the `n` adapters this replica's own traffic asks for most (decayed counts): into
+        RAM from disk or the store, and into device slots while their pool has a free one (never
+        evicting for it). Returns {adapter_id: tier it was in} for those it moved."""
+        moved: dict[str, str] = {}
+        for aid in self.policy.popular(n):
+            tier = self.tier_of(aid)
+            if tier == "gpu" or aid in self._mounting or aid in self._draining:
+                continue
+            try:
+                if tier in ("disk", "remote"):
+                    await self.prefetch(aid, to_ram=True)
+                    moved[aid] = tier
+                la = self._ram.get(aid)
+                if fill_slots and la is not None and self.policy.slot(aid) is None:
+                    pool = self.engine.pool_rank_for(la.rank)
+                    if self.policy.free_slots(pool) > 0:
+                        await self.load(aid)
+                        moved[aid] = tier
+            except (AdapterLoadError, AdapterNotFoundError) as e:
+                log.info("prefetch of popular %s skipped: %s", aid, e)
+        return moved
 
     async def unload(self, adapter_id: str, *, purge_disk: bool = False, timeout: float | None = None) -> dict:
         """Drain (new requests for it wait; running ones finish), then unmount it and drop it from RAM

@@ -25,7 +25,11 @@ Contract
 - RAM and disk: byte-bounded LRU lists. `put(tier, id, nbytes)` adds (or touches) an entry and
   returns the victims it pushed out (already removed here; the caller frees their bytes). An entry
   larger than the whole tier is not stored (returns None). Disk victims skip pinned entries
-  (`pin_disk`: being read) and the entry just put; RAM victims skip the entry just put.
+  (`pin_disk`: being read) and the entry just put; RAM victims skip the entry just put and are
+  taken from adapters not in a device slot first (a mounted adapter keeps its RAM copy while the
+  budget allows, so an eviction from the device demotes it to RAM).
+- Popularity: `note_request(id)` counts requests per adapter as an exponentially decayed rate
+  (half-life `popularity_half_life_s`); `popular(n)` gives the n most requested, for prefetch.
 - `acquire(adapter_id, rank, size)` composes the above for a caller without its own mechanics
   (the simulator): it returns a `Plan` whose `action` is ``"hit"`` (resident: a reference was
   taken), ``"join"`` (a load of it is in flight: wait for that load's `on_loaded`, then acquire
@@ -90,7 +94,7 @@ class SlotPolicy:
     """See the module docstring (it is the contract)."""
 
     def __init__(self, pools: dict[int, int], *, ram_bytes: int, disk_bytes: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, popularity_half_life_s: float = 300.0):
         self.pools = {int(r): int(s) for r, s in sorted(pools.items())}
         self.ram_bytes = int(ram_bytes)
         self.disk_bytes = int(disk_bytes)
@@ -104,6 +108,28 @@ class SlotPolicy:
         self._budget = {"ram": self.ram_bytes, "disk": self.disk_bytes}
         self._pinned_disk: dict[str, int] = {}
         self._load_size: dict[str, int] = {}  # acquire(): sizes of loads in flight
+        self.popularity_half_life_s = float(popularity_half_life_s)
+        self._pop: dict[str, tuple[float, float]] = {}  # adapter_id -> (decayed count, at)
+
+    # -- popularity ---------------------------------------------------------------------------
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        score, at = entry
+        return score * 0.5 ** ((now - at) / self.popularity_half_life_s)
+
+    def note_request(self, adapter_id: str) -> None:
+        """One request for `adapter_id` (its popularity: a count decayed with the half-life)."""
+        now = self.clock()
+        entry = self._pop.get(adapter_id)
+        self._pop[adapter_id] = ((self._decayed(entry, now) if entry else 0.0) + 1.0, now)
+        if len(self._pop) > 100_000:  # bounded: keep the more popular half
+            keep = sorted(self._pop, key=lambda a: self._decayed(self._pop[a], now), reverse=True)[:50_000]
+            self._pop = {a: self._pop[a] for a in keep}
+
+    def popular(self, n: int) -> list[str]:
+        """The `n` adapters with the most (decayed) requests, most popular first."""
+        now = self.clock()
+        return sorted(self._pop, key=lambda a: (-self._decayed(self._pop[a], now), a))[: max(0, n)]
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -288,17 +314,18 @@ class SlotPolicy:
 
     def trim(self, tier: str, keep: str | None = None) -> list[str]:
         """Evict LRU entries of `tier` until it fits its budget (skipping `keep` and pinned disk
-        entries); returns the victims (removed here, counted)."""
+        entries); returns the victims (removed here, counted). RAM evicts the copies of adapters not
+        in a device slot first: a mounted adapter's RAM copy is what it is demoted to when its slot
+        is taken (device -> RAM, not to nothing)."""
         lst = self._lists[tier]
         victims = []
-        for victim in list(lst):
+        order = list(lst)
+        if tier == "ram":
+            order = [a for a in order if a not in self._slots] + [a for a in order if a in self._slots]
+        for victim in order:
             if self._used[tier] <= self._budget[tier]:
                 break
-            if victim == keep:
-                if tier == "ram":
-                    break
-                continue
-            if tier == "disk" and victim in self._pinned_disk:
+            if victim == keep or (tier == "disk" and victim in self._pinned_disk):
                 continue
             self.drop(tier, victim)
             victims.append(victim)
@@ -337,6 +364,7 @@ class SlotPolicy:
         pool = self.pool_for(rank)
         if not retry:
             self.count_request(tier)
+            self.note_request(adapter_id)
         if self.take_ref(adapter_id):
             return Plan(adapter_id, "hit", tier, pool)
         if adapter_id in self._reserved:

@@ -272,3 +272,141 @@ async def test_remote_tier_from_s3(engine, service_archives, tmp_path, s3_endpoi
     finally:
         await unmount_all(engine, cache)
         await cache.close()
+
+
+# ------------------------------------------------------------------------------ the cold path
+
+
+async def test_tampered_archive_is_refused_before_a_byte_reaches_a_slot(engine, service_archives, tmp_path):
+    """Weights flipped inside a signed archive in the store (signature still valid): refused as a
+    checksum mismatch while being verified; nothing lands on disk or in a slot; only its own
+    requests fail, a good adapter loading at the same time is served."""
+    import tarfile
+
+    import dataclasses
+    import tarfile
+
+    arch = service_archives
+    good, victim = arch.good["c0001"], arch.good["c0004"]
+    catalog = json.loads(arch.catalog.read_text())
+    src = catalog[victim].removeprefix("file://")
+    data = bytearray(open(src, "rb").read())
+    with tarfile.open(src) as tar:
+        m = tar.getmember("adapter_model.safetensors")
+    data[m.offset_data + m.size - 3] ^= 0xFF  # a weight byte; the signed manifest is untouched
+    tampered = arch.store_dir / "adapters" / "tampered" / f"{victim}-{tmp_path.name}.lar"
+    tampered.parent.mkdir(parents=True, exist_ok=True)
+    tampered.write_bytes(bytes(data))
+    catalog[victim] = f"file://{tampered}"
+    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+    bad_arch = dataclasses.replace(arch, catalog=tmp_path / "catalog.json")
+    mounted_before = set(engine.mounted_adapters())
+    cache, _ = await make_cache(engine, bad_arch, tmp_path / "cache")
+    results = await asyncio.gather(cache.acquire(victim), cache.acquire(victim), cache.acquire(good),
+                                   return_exceptions=True)
+    try:
+        assert all(isinstance(r, AdapterLoadError) and r.code == "checksum_mismatch" for r in results[:2]), results
+        assert set(engine.mounted_adapters()) - mounted_before == {good}
+        assert cache.tier_of(victim) == "remote" and victim not in cache.held()
+        assert not (tmp_path / "cache" / "adapters" / victim).exists()
+        assert cache.counters.load_errors == 1 and cache.refcount(good) == 1
+        cache.release(good)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+def _generate(engine, adapter_id, rid, prompt, n):
+    """Submit a greedy request; returns (done event, tokens list)."""
+    import threading
+
+    from handler.sampling import SamplingParams
+
+    done, toks = threading.Event(), []
+
+    def on_event(ev):
+        if ev.token_id is not None:
+            toks.append(ev.token_id)
+        if ev.finished:
+            toks.append(ev.finish_reason)
+            done.set()
+
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), adapter_id,
+                       on_event)
+    return done, toks
+
+
+async def test_refcounts_hold_while_loads_run_beside_decode(engine, service_archives, tmp_path):
+    """A running request keeps its slot while other adapters are loaded, evicted and reloaded into the
+    pool's other slot; its greedy tokens are the ones it produces with no loads around it."""
+    arch = service_archives
+    a, others = arch.good["c0001"], [arch.good[n] for n in ("c0004", "c0007", "c0009")]
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    prompt = list(range(5, 17))
+    try:
+        assert await cache.acquire(a) == "remote"
+        done, alone = _generate(engine, a, "alone", prompt, 40)
+        await asyncio.to_thread(done.wait, 60)
+        done, toks = _generate(engine, a, "beside", prompt, 40)
+        steps0 = engine.stats().steps
+        for round_ in range(2):
+            for o in others:  # each load takes the other slot (evicting the previous one, idle)
+                assert await cache.acquire(o) == ("remote" if round_ == 0 else "ram")
+                assert cache.refcount(a) == 1 and cache.tier_of(a) == "gpu"
+                cache.release(o)
+        assert await asyncio.to_thread(done.wait, 60)
+        assert toks == alone and toks[-1] == "length"
+        assert engine.stats().steps > steps0
+        c = cache.counters
+        assert c.evictions >= 5 and c.evictions_in_use == 0
+        assert all(refs == 0 for _, _, refs in c.eviction_log)
+        cache.release(a)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_tiers_and_expected_load_times_are_reported(engine, service_archives, tmp_path):
+    arch = service_archives
+    a, b, c = arch.good["c0001"], arch.good["c0004"], arch.good["c0007"]
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        await cache.load(a)
+        await cache.prefetch(b)
+        await cache.prefetch(c, to_ram=False)
+        held = cache.held()
+        assert {k: v[0] for k, v in held.items()} == {a: "gpu", b: "ram", c: "disk"}
+        assert held[a][1] == 0.0 and held[b][1] > 0 and held[c][1] > 0
+        assert cache.load_times.samples["remote"] == 1  # the load into the slot was measured
+        # a disk read is the slot image in one read: RAM and disk copies are the same bytes
+        assert cache.tier_of(c) == "disk" and await cache.acquire(c) == "disk"
+        cache.release(c)
+        assert cache.load_times.samples["disk"] == 1
+        # a request for a prefetched adapter counts as a prefetch hit
+        assert await cache.acquire(b) == "ram" and cache.prefetch_hits == 1  # b (prefetched, now asked for)
+        cache.release(b)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_popular_adapters_are_prefetched_back_into_ram_and_free_slots(engine, service_archives, tmp_path):
+    arch = service_archives
+    hot, cold = arch.good["c0001"], arch.good["c0004"]
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        for _ in range(3):
+            await cache.acquire(hot)
+            cache.release(hot)
+        await cache.acquire(cold)
+        cache.release(cold)
+        await cache.unload(hot)  # out of the slot and out of RAM: only the disk copy is left
+        assert cache.tier_of(hot) == "disk"
+        assert cache.policy.popular(1) == [hot]
+        moved = await cache.prefetch_popular(1)
+        assert moved == {hot: "disk"} and cache.tier_of(hot) == "gpu"  # a slot was free
+        assert await cache.acquire(hot) == "gpu" and cache.prefetch_hits == 1
+        cache.release(hot)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()

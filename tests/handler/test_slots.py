@@ -195,3 +195,25 @@ def test_trace_driven_by_simulated_time_keeps_refcounts():
         assert len(p.resident("gpu")) + sum(1 for _ in loading) <= 2
     assert p.counters.evictions_in_use == 0
     assert p.counters.evictions > 0 and served > 100
+
+
+def test_ram_keeps_the_copies_of_mounted_adapters_longest_and_demotes_to_ram():
+    p, clock = policy({8: 1}, ram=250)
+    load(p, "m")  # mounted, its RAM copy is the oldest entry
+    p.release("m")
+    assert p.put("ram", "x", 100) == []
+    assert p.put("ram", "y", 100) == ["x"]  # x goes first although m is older: m is on the device
+    plan = p.acquire("z", 8, 100)  # takes m's slot
+    assert plan.victim == "m" and p.tier_of("m") == "ram"  # demoted to RAM, not to nothing
+
+
+def test_popularity_is_a_decayed_request_count():
+    p, clock = policy()
+    p.popularity_half_life_s = 10.0
+    for _ in range(4):
+        p.note_request("old")
+    clock.tick(30.0)  # 4 requests three half-lives ago weigh 0.5
+    p.note_request("new")
+    assert p.popular(2) == ["new", "old"] and p.popular(0) == []
+    p.acquire("old", 8, 1)  # acquire counts too
+    assert p.popular(1) == ["old"]
