@@ -70,7 +70,7 @@ class ReplicaConfig:
     placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
     prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
     pull_owned: bool = True
-    prefetch_interval_s: float = 10.0  # pre-warm the most requested adapters this often (0: never)
+    prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
     prefetch_top: int = 16  # how many of the most requested adapters to keep warm
     shutdown_grace_s: float = 10.0  # SIGTERM: streams in flight get this long to finish
 

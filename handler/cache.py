@@ -491,6 +491,8 @@ class AdapterCache:
         done = asyncio.get_running_loop().create_future()
         self._draining[adapter_id] = done
         self.policy.hold(adapter_id)  # draining: never an eviction victim meanwhile
+        self.policy.forget(adapter_id)  # and not brought back by popularity prefetch
+        self._prefetched.discard(adapter_id)
         removed: list[str] = []
         try:
             while adapter_id in self._mounting:  # a load in flight: let it land, then remove it

@@ -126,6 +126,10 @@ class SlotPolicy:
             keep = sorted(self._pop, key=lambda a: self._decayed(self._pop[a], now), reverse=True)[:50_000]
             self._pop = {a: self._pop[a] for a in keep}
 
+    def forget(self, adapter_id: str) -> None:
+        """Drop its popularity (an explicit unload is not to be undone by prefetch)."""
+        self._pop.pop(adapter_id, None)
+
     def popular(self, n: int) -> list[str]:
         """The `n` adapters with the most (decayed) requests, most popular first."""
         now = self.clock()

@@ -400,13 +400,16 @@ async def test_popular_adapters_are_prefetched_back_into_ram_and_free_slots(engi
             cache.release(hot)
         await cache.acquire(cold)
         cache.release(cold)
-        await cache.unload(hot)  # out of the slot and out of RAM: only the disk copy is left
+        await cache._evict_slot(hot)  # pushed out of its slot and then out of RAM (as pressure would)
+        cache._drop_ram(hot)
         assert cache.tier_of(hot) == "disk"
         assert cache.policy.popular(1) == [hot]
         moved = await cache.prefetch_popular(1)
         assert moved == {hot: "disk"} and cache.tier_of(hot) == "gpu"  # a slot was free
         assert await cache.acquire(hot) == "gpu" and cache.prefetch_hits == 1
         cache.release(hot)
+        await cache.unload(hot)  # an explicit unload is not undone by prefetch
+        assert await cache.prefetch_popular(1) == {} and cache.tier_of(hot) == "disk"
     finally:
         await unmount_all(engine, cache)
         await cache.close()
