@@ -11,7 +11,7 @@ from typing import Any
 
 from litestar import Request
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import JsonRenderPlugin
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 from pydantic import BaseModel
 
@@ -82,6 +82,6 @@ def openapi_config(title: str, description: str, bodies: dict[str, type[BaseMode
         components=Components(security_schemes={"Bearer": SecurityScheme(type="http", scheme="bearer",
                                                                          description=token)}),
         security=[{"Bearer": []}],
-        render_plugins=[_Render()],
+        render_plugins=[_Render(), SwaggerRenderPlugin()],
         path="/schema",
     )
