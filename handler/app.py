@@ -33,6 +33,7 @@ from handler.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource,
 from handler.handler import Generation, HandlerContext, Limits, LoraHandler, load_error_to_openai
 from handler.metrics import CONTENT_TYPE, ReplicaMetrics
 from lorafarm.openapi import openapi_config
+from lorafarm.serving import ClientGone, unless_disconnected
 
 log = logging.getLogger("lorafarm.replica")
 
@@ -348,13 +349,6 @@ def _service(request: Request) -> ReplicaService:
 # ------------------------------------------------------------------------------ completions
 
 
-async def _until_disconnect(receive: Receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
 class ClientDisconnected(Exception):
     """The client went away before its response was ready (answered 499; nobody reads it)."""
 
@@ -365,24 +359,15 @@ def _disconnected_handler(_: Request, exc: ClientDisconnected) -> Response:
 
 async def _or_disconnect(request: Request, coro):
     """Run `coro`; if the client disconnects first, cancel it and raise ClientDisconnected."""
-    task = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        if task.done() and not task.cancelled() and task.exception() is None:
-            result = task.result()
-            if isinstance(result, Generation):  # it finished just as the client left
-                result.abandon()
-        raise ClientDisconnected()
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
+        return await unless_disconnected(request.receive, coro, discard=_abandon)
+    except ClientGone:
+        raise ClientDisconnected() from None
+
+
+def _abandon(result) -> None:
+    if isinstance(result, Generation):  # it finished just as the client left
+        result.abandon()
 
 
 async def _complete(request: Request, kind: str) -> Response | Stream:

@@ -10,6 +10,9 @@ uvicorn answers 503)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -83,3 +86,38 @@ def serve(app, host: str, port: int, limits: ClientLimits | None = None, **kw) -
         h11_max_incomplete_event_size=limits.max_header_bytes,
         **kw,
     )
+
+
+class ClientGone(Exception):
+    """The client disconnected before the awaited result was ready."""
+
+
+async def until_disconnect(receive) -> None:
+    """Return when the ASGI client disconnects (call it once the request body is read)."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(receive, coro: Awaitable, discard: Callable | None = None):
+    """Await `coro`; if the client disconnects first, cancel it and raise ClientGone. A result that
+    arrives anyway (it finished just as the client left) is handed to `discard` (sync or async)."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        result = None
+        with contextlib.suppress(BaseException):
+            result = await task
+        if result is not None and discard is not None:
+            out = discard(result)
+            if inspect.isawaitable(out):
+                await out
+        raise ClientGone()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()

@@ -592,31 +592,18 @@ class RouterCore:
 
 
 async def _unless_disconnected(request: Request, coro):
-    """Await `coro`; if the client disconnects first, cancel it and raise a 499 ApiError. (The body
-    is already read, so the next ASGI message can only be the disconnect.)"""
-    task = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_disconnect(request))
+    """Await `coro`; if the client disconnects first, cancel it and raise a 499 ApiError."""
+    from lorafarm.serving import ClientGone, unless_disconnected
+
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            result = await task
-            if isinstance(result, Opened):  # it answered just as the client left
-                await result.aclose()
-        raise ApiError(499, "The client closed the request.", code="client_closed")
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
+        return await unless_disconnected(request.receive, coro, discard=_close_opened)
+    except ClientGone:
+        raise ApiError(499, "The client closed the request.", code="client_closed") from None
 
 
-async def _disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _close_opened(result) -> None:
+    if isinstance(result, Opened):  # a replica answered just as the client left
+        await result.aclose()
 
 
 def _printable(text: str, limit: int = 200) -> str:
