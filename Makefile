@@ -1,6 +1,6 @@
 # Every target creates .venv when missing and installs into it. torch comes first from TORCH_SPEC
-# (a CPU build by default) so pip never pulls a multi-GB CUDA build on a CPU machine; override it,
-# e.g. `make serve TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124'`.
+# (default: torch==2.13.0 from PyPI, which on Linux x86_64 is the CUDA build); for a CPU build,
+# `make serve TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'`.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 VENV := .venv

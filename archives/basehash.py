@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -142,3 +143,34 @@ def read_base_config(model_dir: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise InvalidBaseModelError(f"{path} is not a JSON object")
     return config
+
+
+# -- the hash a training job records beside its adapter ---------------------------------------
+
+TRAINED_BASE_FILE = "base_model_hash.txt"  # in the PEFT folder, beside adapter_config.json
+_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def is_base_hash(value: str) -> bool:
+    return bool(_HASH_RE.match(value or ""))
+
+
+def read_trained_base(adapter_dir: str | os.PathLike) -> str | None:
+    """The base hash recorded beside a PEFT adapter (`base_model_hash.txt`), or None when there is
+    no such file. A file that holds something else than `sha256:<64 hex>` raises InvalidBaseModelError."""
+    path = Path(adapter_dir) / TRAINED_BASE_FILE
+    if not path.is_file():
+        return None
+    value = path.read_text().strip()
+    if not is_base_hash(value):
+        raise InvalidBaseModelError(f"{path} does not hold a base hash (sha256:<64 hex>)")
+    return value
+
+
+def write_trained_base(adapter_dir: str | os.PathLike, value: str) -> Path:
+    """Record the base an adapter was trained on beside it (what `lorafarm adapters upload` sends)."""
+    if not is_base_hash(value):
+        raise InvalidBaseModelError(f"{value!r} is not a base hash (sha256:<64 hex>)")
+    path = Path(adapter_dir) / TRAINED_BASE_FILE
+    path.write_text(value + "\n")
+    return path

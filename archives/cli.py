@@ -1,4 +1,4 @@
-"""`lorafarm archive keygen|build|verify|inspect`: make and check signed adapter archives by hand."""
+"""`lorafarm archive keygen|build|verify|inspect|basehash`: make and check signed adapter archives by hand."""
 
 from __future__ import annotations
 
@@ -97,6 +97,22 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _basehash(args: argparse.Namespace) -> int:
+    from archives.basehash import base_model_hash, write_trained_base
+    from archives.errors import ArchiveError
+
+    try:
+        value = base_model_hash(args.base_dir, progress=True)
+        if args.write:
+            if not os.path.isfile(os.path.join(args.write, "adapter_config.json")):
+                raise CliError(f"--write {args.write}: not a PEFT adapter folder (no adapter_config.json)")
+            write_trained_base(args.write, value)
+    except ArchiveError as e:
+        raise _fail(e) from None
+    print(value)
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("archive", help="build, sign, verify and inspect adapter archives (.lar)")
     archive = p.add_subparsers(dest="archive_command", metavar="ACTION", parser_class=type(p))
@@ -136,6 +152,12 @@ def register(sub) -> None:
     v.add_argument("--base", default=None, help="base model folder: also check the base hash and shapes")
     v.add_argument("--max-rank", type=int, default=None, help="refuse ranks above this")
     v.set_defaults(func=_verify)
+
+    h = archive.add_parser("basehash", help="print the base-model hash a training job sends with an upload")
+    h.add_argument("base_dir", metavar="DIR", help="base model folder (*.safetensors)")
+    h.add_argument("--write", default=None, metavar="PEFT_DIR",
+                   help="also record it beside this adapter (base_model_hash.txt), where uploads read it")
+    h.set_defaults(func=_basehash)
 
     i = archive.add_parser("inspect", help="print the manifest (signature NOT checked; use verify)")
     i.add_argument("archive", metavar="FILE.lar")

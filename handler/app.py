@@ -204,7 +204,11 @@ class ReplicaService:
         if cfg.prefetch_interval_s > 0 and not cfg.merged_adapter:
             self.tasks.append(asyncio.create_task(self._prefetch_loop(), name="prefetch"))
         if self.registry is not None:
+            from handler.retire import Retirer
+
             self.tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
+            self.retirer = Retirer(self.registry, self.handler.cache, interval_s=max(1.0, cfg.heartbeat_s))
+            self.tasks.append(asyncio.create_task(self.retirer.run(), name="retire"))
         else:
             self.pull_done.set()
 
@@ -246,6 +250,8 @@ class ReplicaService:
 
     async def stop(self) -> None:
         self.ready = False
+        if getattr(self, "retirer", None) is not None:
+            await self.retirer.stop()
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
@@ -375,6 +381,9 @@ async def _complete(request: Request, kind: str) -> Response | Stream:
     h = svc.handler
     raw = await request.body()
     greq = await h.preprocess(kind, raw)
+    echo = request.headers.get("x-lorafarm-model-name", "")
+    if echo and len(echo) <= 256 and echo.isprintable():  # the router's requested name (an alias): echo it
+        greq.model = echo
     h.check_capacity()
     headers = {"x-adapter-id": greq.adapter_id or greq.model, "x-adapter-tier": greq.tier,
                "x-request-id": greq.request_id}
@@ -590,7 +599,9 @@ def create_app(config: ReplicaConfig) -> Litestar:
         finally:
             await service.stop()
 
-    middleware = []
+    from lorafarm.accesslog import access_log_middleware
+
+    middleware = [access_log_middleware("replica")]
     if config.admin_token:
         token = config.admin_token
         middleware.append(lambda app: AdminAuthMiddleware(app, token))
@@ -614,9 +625,12 @@ def create_app(config: ReplicaConfig) -> Litestar:
 
 def run(config: ReplicaConfig, log_level: str = "info") -> None:
     """Serve with uvicorn until SIGINT/SIGTERM."""
+    from lorafarm.accesslog import quiet_polling_loggers
     from lorafarm.serving import serve
 
     logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(create_app(config), config.host, config.port, log_level=log_level,
+    quiet_polling_loggers()
+    # uvicorn's own access log would print every 1 s state poll; lorafarm.access logs them at DEBUG.
+    serve(create_app(config), config.host, config.port, log_level=log_level, access_log=False,
           timeout_graceful_shutdown=config.shutdown_grace_s)  # slow-client limits, as the router

@@ -135,6 +135,7 @@ class ReplicaMetrics:
             "lorafarm_adapter_bytes_moved",
             "Adapter bytes moved, by the tier they came from (remote: fetched, disk: read, ram: copied "
             "into a slot).", ["tier"], registry=r)
+        self.vllm = VllmMetrics(r, model_name or "unknown")
         self.load_rate = RateWindow()
         self.eviction_rate = RateWindow()
         # pre-create label sets so dashboards see zeros rather than missing series
@@ -166,7 +167,49 @@ class ReplicaMetrics:
     def render(self) -> bytes:
         self.loads_per_min_gauge.set(self.loads_per_min())
         self.evictions_per_min_gauge.set(self.evictions_per_min())
+        self.vllm.copy_gauges(self)
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """The same measurements under vLLM's own names and `model_name` label (vLLM v1: `vllm:` prefix,
+    model_name = the served base model), so dashboards and alerts written for vLLM apply unchanged.
+    Requests for adapters count under the base model's name, as in vLLM."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str):
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                              labels, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent waiting in the queue.",
+                               labels, buckets=TTFT_BUCKETS, registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               [*labels, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                                         registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                             registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
+                              registry=r)
+        for m in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
+                  self.running, self.waiting, self.kv_usage):
+            m.labels(model_name)
+        for reason in ("stop", "length"):
+            self.success.labels(model_name, reason)
+
+    def copy_gauges(self, m: ReplicaMetrics) -> None:
+        for ours, theirs in ((m.num_requests_running, self.running), (m.num_requests_waiting, self.waiting),
+                             (m.kv_cache_usage_perc, self.kv_usage)):
+            theirs.labels(self.model_name).set(ours._value.get())
 
 
 class RequestTimer:
@@ -186,6 +229,8 @@ class RequestTimer:
         self.scheduled = time.perf_counter()
         if self.metrics:
             self.metrics.request_queue_time.labels(tier=self.tier).observe(self.scheduled - self.arrival)
+            v = self.metrics.vllm
+            v.queue.labels(v.model_name).observe(self.scheduled - self.arrival)
 
     def on_token(self) -> None:
         now = time.perf_counter()
@@ -193,8 +238,12 @@ class RequestTimer:
             self.first_token = now
             if self.metrics:
                 self.metrics.time_to_first_token.labels(tier=self.tier).observe(now - self.arrival)
+                v = self.metrics.vllm
+                v.ttft.labels(v.model_name).observe(now - self.arrival)
         elif self.metrics and self.last_token is not None:
             self.metrics.inter_token_latency.labels(tier=self.tier).observe(now - self.last_token)
+            v = self.metrics.vllm
+            v.itl.labels(v.model_name).observe(now - self.last_token)
         self.last_token = now
 
     def on_finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
@@ -205,3 +254,10 @@ class RequestTimer:
         self.metrics.requests.labels(tier=self.tier, finish_reason=finish_reason or "unknown").inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.generation_tokens.inc(completion_tokens)
+        v = self.metrics.vllm
+        v.e2e.labels(v.model_name).observe(now - self.arrival)
+        v.success.labels(v.model_name, finish_reason or "unknown").inc()
+        v.prompt_tokens.labels(v.model_name).inc(prompt_tokens)
+        v.generation_tokens.labels(v.model_name).inc(completion_tokens)
+        if self.first_token is not None and completion_tokens > 1:
+            v.tpot.labels(v.model_name).observe((now - self.first_token) / (completion_tokens - 1))

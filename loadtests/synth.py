@@ -160,7 +160,8 @@ async def synth_upload(
                     await asyncio.to_thread(write_synth_adapter, base_config, spec, folder, str(base_dir))
                     nbytes += sum(f.stat().st_size for f in folder.iterdir())
                     alias = f"{tenant}/{spec.name}:prod" if aliases else None
-                    out = await reg.upload_adapter(folder, tenant, alias=alias, base_model=base_hash)
+                    out = await reg.upload_adapter(folder, tenant, alias=alias, base_model=base_hash,
+                                                   base_model_hash=base_hash)  # trained on: the served base
                     for f in folder.iterdir():
                         f.unlink()
                     folder.rmdir()

@@ -87,6 +87,11 @@ class Farm:
     replica_bases: list[str] = field(default_factory=list)
     # `lorafarm up --embeddings`: one embedding worker (replica e0, port replica_base + replicas)
     embeddings: bool = False
+    # `lorafarm up --base`: real checkpoints (name -> dir) instead of the dev model, and the PEFT
+    # adapters to seed (instead of the canaries); replicas serve the bases round robin.
+    bases: dict[str, Path] = field(default_factory=dict)
+    adapter_dirs: list[Path] = field(default_factory=list)
+    assume_base: bool = False
 
     # -- files ------------------------------------------------------------------------------
     @property
@@ -95,7 +100,8 @@ class Farm:
 
     @property
     def base_models(self) -> dict[str, Path]:
-        return {BASE_MODEL_NAME: self.model_dir.resolve(), **{n: Path(d).resolve() for n, d in self.extra_bases.items()}}
+        first = {n: Path(d).resolve() for n, d in self.bases.items()} or {BASE_MODEL_NAME: self.model_dir.resolve()}
+        return {**first, **{n: Path(d).resolve() for n, d in self.extra_bases.items()}}
 
     @property
     def embedding_dir(self) -> Path:
@@ -110,7 +116,32 @@ class Farm:
         return self.url(self.ports.replica_base + self.replicas)
 
     def replica_base(self, i: int) -> str:
-        return self.replica_bases[i] if i < len(self.replica_bases) else BASE_MODEL_NAME
+        if i < len(self.replica_bases):
+            return self.replica_bases[i]
+        return list(self.bases)[i % len(self.bases)] if self.bases else BASE_MODEL_NAME
+
+    def ports_wanted(self) -> list[tuple[str, int]]:
+        wanted = [("router", self.ports.router), ("registry", self.ports.registry),
+                  *[(f"replica r{i}", self.ports.replica_base + i) for i in range(self.replicas)]]
+        if self.embeddings:
+            wanted.append(("embedding worker e0", self.ports.replica_base + self.replicas))
+        return wanted
+
+    def check_ports(self) -> None:
+        """Before anything starts: every port free, else one line naming the port and its holder."""
+        wanted = self.ports_wanted()
+        seen: dict[int, str] = {}
+        for name, port in wanted:
+            if port in seen:
+                raise CliError(f"the {name} and the {seen[port]} would both use port {port}: choose other ports")
+            if not 0 < port < 65536:
+                raise CliError(f"the {name} port {port} is not a TCP port")
+            seen[port] = name
+        taken = [(name, port) for name, port in wanted if not _can_listen(self.host, port)]
+        if taken:
+            what = "; ".join(f"{name} port {port} is in use by {port_holder(port) or 'another process'}"
+                             for name, port in taken)
+            raise CliError(f"{what}. Stop it, or choose free ports (--port, --registry-port, --replica-port)")
 
     @property
     def adapters_dir(self) -> Path:
@@ -152,7 +183,9 @@ class Farm:
             self.logs_dir.mkdir(exist_ok=True)
         except OSError as e:
             raise CliError(f"--state-dir {self.state_dir}: {e.strerror}") from None
-        if not (self.model_dir / "model.safetensors").exists():
+        if self.bases:
+            self._check_real()
+        elif not (self.model_dir / "model.safetensors").exists():
             self._say(f"generating the dev model in {self.model_dir}")
             write_dev_model(self.model_dir, size="tiny", seed=0, force=True)
         if self.embeddings and not (self.embedding_dir / "modules.json").exists():
@@ -160,7 +193,7 @@ class Farm:
 
             self._say(f"generating the dev embedding model in {self.embedding_dir}")
             write_dev_embedding_model(self.embedding_dir, force=True)
-        if self.demo_adapters:  # 0: no canaries (load tests upload synthetic adapters instead)
+        if self.demo_adapters and not self.bases:  # 0: no canaries (load tests upload synthetic adapters instead)
             self._say("preparing demo adapters (trained once with PEFT, then cached)")
             write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
         if not (self.keys_dir / "private.pem").exists():
@@ -172,6 +205,36 @@ class Farm:
             token_file.write_text(secrets.token_urlsafe(32) + "\n")
             token_file.chmod(0o600)
         self.admin_token = token_file.read_text().strip()
+
+    def _check_real(self) -> None:
+        """--base / --adapters: checkpoints loadable, each adapter's trained-on base known (or waived)."""
+        from archives.basehash import base_model_hash
+        from archives.errors import ArchiveError
+        from lorafarm.realbase import check_checkpoint, find_adapters, trained_on
+
+        if self.replicas < len(self.bases):
+            raise CliError(f"{len(self.bases)} base models need at least {len(self.bases)} replicas (--replicas)")
+        hashes: dict[str, tuple[Path, str]] = {}
+        for name, folder in self.bases.items():
+            check_checkpoint(name, Path(folder))
+            self._say(f"hashing base {name} ({folder}; cached beside it after the first time)")
+            try:
+                hashes[name] = (Path(folder), base_model_hash(folder, progress=self.progress))
+            except ArchiveError as e:
+                raise CliError(f"--base {name}={folder}: {e}") from None
+        self.base_hashes = {name: h for name, (_, h) in hashes.items()}
+        self.seed_plan = []
+        for adapter in find_adapters([Path(a) for a in self.adapter_dirs]):
+            h = trained_on(adapter, hashes)
+            if h is None and not (self.assume_base and len(hashes) == 1):
+                raise CliError(f"--adapters {adapter}: it does not say which base it was trained on; record it "
+                               f"(`lorafarm archive basehash BASE_DIR --write {adapter}`) or pass --assume-base "
+                               "(one --base only)")
+            base = next((n for n, (_, bh) in hashes.items() if bh == h), None) if h else next(iter(hashes))
+            if base is None:
+                raise CliError(f"--adapters {adapter}: trained on base {h}, which none of the --base folders is "
+                               f"({', '.join(f'{n}: {bh}' for n, (_, bh) in hashes.items())})")
+            self.seed_plan.append((adapter, base, h))
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -306,6 +369,7 @@ class Farm:
     def up(self) -> dict:
         """Prepare, start every process, seed the demo tenant; return farm.json's content once
         the router lists the demo aliases."""
+        self.check_ports()
         self.prepare()
         self.start()
         info = self.seed()
@@ -322,8 +386,12 @@ class Farm:
 
         previous = json.loads(self.farm_json.read_text()) if self.farm_json.exists() else {}
         tenants_before = {t["tenant_id"]: t for t in previous.get("tenants", [])}
+        from archives.basehash import base_model_hash
+
         markers_file = self.adapters_dir / "markers.json"
-        markers = json.loads(markers_file.read_text()) if self.demo_adapters and markers_file.exists() else {}
+        use_demo = self.demo_adapters and not self.bases and markers_file.exists()
+        markers = json.loads(markers_file.read_text()) if use_demo else {}
+        trained_on = base_model_hash(self.model_dir) if markers else None  # the canaries' base: the dev model
         async with RegistryClient(self.registry_url, self.admin_token) as reg:
             known = {t["tenant_id"] for t in await reg.list_tenants()}
             if DEMO_TENANT in known and DEMO_TENANT in tenants_before:
@@ -336,9 +404,19 @@ class Farm:
             for name, info in sorted(markers.items()):
                 alias = f"{DEMO_TENANT}/{name}:prod"
                 adapter = await reg.upload_adapter(
-                    self.adapters_dir / info["path"], DEMO_TENANT, alias=alias, base_model=BASE_MODEL_NAME
+                    self.adapters_dir / info["path"], DEMO_TENANT, alias=alias, base_model=BASE_MODEL_NAME,
+                    base_model_hash=trained_on,
                 )
                 aliases[alias] = adapter["adapter_id"]
+            if self.bases:
+                from lorafarm.realbase import alias_name
+
+                for folder, base, h in getattr(self, "seed_plan", []):
+                    alias = f"{DEMO_TENANT}/{alias_name(folder)}:prod"
+                    adapter = await reg.upload_adapter(folder, DEMO_TENANT, alias=alias, base_model=base,
+                                                       base_model_hash=h, assume_base=h is None)
+                    aliases[alias] = adapter["adapter_id"]
+                    self._say(f"{alias} -> {adapter['adapter_id']} (base {base})")
         farm = {
             "router_url": self.router_url,
             "registry_url": self.registry_url,
@@ -365,6 +443,33 @@ class Farm:
             print(f"lorafarm: {msg}", file=sys.stderr, flush=True)
 
 
+def _can_listen(host: str, port: int) -> bool:
+    """Can a server listen on host:port now? SO_REUSEADDR as uvicorn sets it, so a port with only
+    closed connections in TIME_WAIT counts as free."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def port_holder(port: int) -> str | None:
+    """'python -m lorafarm router (pid 4242)': who listens on `port`, when the OS tells us."""
+    try:
+        import psutil
+
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                p = psutil.Process(c.pid)
+                cmd = " ".join(p.cmdline()[:4]) or p.name()
+                return f"{cmd} (pid {c.pid})"
+    except Exception:  # no permission to see other users' sockets, or no psutil: say less
+        return None
+    return None
+
+
 def wait_router_ready(farm: dict, timeout: float = 60.0) -> None:
     """Until the router's catalog lists the demo aliases (its first registry poll has landed)."""
     tenant = farm["tenants"][0]
@@ -387,7 +492,7 @@ def wait_router_ready(farm: dict, timeout: float = 60.0) -> None:
 
 def examples(farm: dict) -> str:
     tenant = farm["tenants"][0]
-    alias = sorted(tenant["aliases"])[0]
+    alias = sorted(tenant["aliases"])[0] if tenant["aliases"] else sorted(farm["base_models"])[0]
     base = farm["router_url"] + "/v1"
     return f"""
 lorafarm is up.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 import tempfile
@@ -10,10 +11,19 @@ from pathlib import Path
 
 
 def _up(args: argparse.Namespace) -> int:
+    from lorafarm.errors import CliError
     from lorafarm.farm import Farm, FarmPorts, examples
+    from lorafarm.realbase import parse_base
 
     ports = FarmPorts(router=args.port, registry=args.registry_port, replica_base=args.replica_port)
-    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, embeddings=args.embeddings)
+    bases = dict(parse_base(b) for b in args.base)
+    if len(bases) != len(args.base):
+        raise CliError("--base: two base models with the same name; name them: --base NAME=DIR")
+    if args.adapters and not bases:
+        raise CliError("--adapters needs --base (the dev model gets the generated demo adapters)")
+    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, bases=bases,
+                adapter_dirs=[Path(a) for a in args.adapters], assume_base=args.assume_base,
+                replica_args=shlex.split(args.replica_flags), embeddings=args.embeddings)
     stopping = False
 
     def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C
@@ -106,6 +116,16 @@ def register(sub) -> None:
     p.add_argument("--replica-port", type=int, default=8200, help="first replica port (default 8200)")
     p.add_argument("--embeddings", action="store_true",
                    help="add an embedding worker (the dev encoder, port --replica-port + --replicas)")
+    p.add_argument("--base", action="append", default=[], metavar="[NAME=]DIR",
+                   help="serve this Hugging Face checkpoint (Llama, Mistral, Qwen2; safetensors) instead of the dev "
+                   "model; repeatable (replicas serve the bases round robin); NAME defaults to the folder name")
+    p.add_argument("--adapters", nargs="+", action="extend", default=[], metavar="DIR",
+                   help="PEFT adapter folders (or folders of them) to upload for the demo tenant, each aliased "
+                   "demo/<folder>:prod")
+    p.add_argument("--replica-flags", default="", metavar="'FLAGS'",
+                   help="extra `lorafarm replica` flags for every replica, e.g. '--kv-cache-bytes 8GiB --slots 4'")
+    p.add_argument("--assume-base", action="store_true",
+                   help="upload adapters that do not record their base as trained on the (only) --base")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("demo", help="start a farm, send one streamed chat through the router, stop")

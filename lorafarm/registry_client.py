@@ -61,6 +61,20 @@ def _error_code(response: httpx.Response) -> str | None:
     return err.get("code") if isinstance(err, dict) else None
 
 
+def _actor() -> str:
+    """$LORAFARM_ACTOR, else user@host (the admin token is shared: the audit trail needs a name)."""
+    import getpass
+    import socket
+
+    if os.environ.get("LORAFARM_ACTOR"):
+        return os.environ["LORAFARM_ACTOR"][:255]
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"[:255]
+
+
 class RegistryClient:
     """Async client of the registry. `url` defaults to $LORAFARM_REGISTRY_URL, `token` (the admin
     bearer token) to $LORAFARM_ADMIN_TOKEN. Use it as an async context manager or call `aclose()`."""
@@ -76,6 +90,7 @@ class RegistryClient:
         self.url = (url or os.environ.get("LORAFARM_REGISTRY_URL") or DEFAULT_REGISTRY_URL).rstrip("/")
         self.token = token if token is not None else os.environ.get("LORAFARM_ADMIN_TOKEN")
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers["x-lorafarm-actor"] = _actor()  # who, for the registry's audit trail
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
 
     async def __aenter__(self) -> RegistryClient:
@@ -137,6 +152,15 @@ class RegistryClient:
             "DELETE", f"/internal/tenants/{quote(tenant_id, safe='')}/keys/{quote(key_id, safe='')}"
         )
 
+    async def set_tenant_limits(self, tenant_id: str, **limits: float | None) -> dict:
+        """Change `requests_per_s` and/or `tokens_per_s` (None: unlimited) -> tenant."""
+        return await self._json("PATCH", f"/internal/tenants/{quote(tenant_id, safe='')}", json=limits)
+
+    async def rotate_keys(self, tenant_id: str, key_id: str | None = None) -> dict:
+        """A new key; revokes `key_id` (or every live key of the tenant) -> {key_id, api_key, revoked_key_ids}."""
+        params = {"key_id": key_id} if key_id else None
+        return await self._json("POST", f"/internal/tenants/{quote(tenant_id, safe='')}/keys/rotate", params=params)
+
     async def verify_api_key(self, api_key: str) -> dict | None:
         """-> {tenant_id, key_id, requests_per_s, tokens_per_s}, or None for an unknown/revoked key."""
         response = await self._request("POST", "/internal/auth/verify", json={"api_key": api_key}, ok=(401,))
@@ -162,12 +186,30 @@ class RegistryClient:
         base_model: str | None = None,
         *,
         version: str | None = None,
+        base_model_hash: str | None = None,
+        assume_base: bool = False,
     ) -> dict:
         """Upload a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or a tar
         file of one. The registry builds, signs, stores and registers the archive. Idempotent: the
-        same files for the same tenant return the same adapter. -> adapter (+ "alias")."""
+        same files for the same tenant return the same adapter. -> adapter (+ "alias").
+
+        `base_model_hash`: the base the adapter was trained on (`archives.basehash.base_model_hash`);
+        default: the `base_model_hash.txt` beside the adapter. Without either the registry refuses
+        the upload (422 base_model_hash_required) unless `assume_base=True`."""
+        from archives.basehash import read_trained_base
+        from archives.errors import ArchiveError
+
         path = Path(peft_dir)
         data: dict[str, str] = {"tenant_id": tenant_id}
+        if base_model_hash is None and path.is_dir():
+            try:
+                base_model_hash = read_trained_base(path)
+            except ArchiveError as e:
+                raise RegistryError(0, str(e)) from None
+        if base_model_hash:
+            data["base_model_hash"] = base_model_hash
+        if assume_base:
+            data["assume_base"] = "true"
         if alias:
             data["alias"] = alias
         if base_model:
@@ -201,6 +243,16 @@ class RegistryClient:
         params = {"tenant_id": tenant_id} if tenant_id else None
         return await self._json("GET", "/internal/adapters", params=params)
 
+    async def disable_adapter(self, adapter_id: str) -> dict:
+        return await self._json("POST", f"/internal/adapters/{quote(adapter_id, safe='')}/disable")
+
+    async def enable_adapter(self, adapter_id: str) -> dict:
+        return await self._json("POST", f"/internal/adapters/{quote(adapter_id, safe='')}/enable")
+
+    async def delete_adapter(self, adapter_id: str) -> None:
+        """Refused (409) while an alias points to it or would roll back to it."""
+        await self._json("DELETE", f"/internal/adapters/{quote(adapter_id, safe='')}")
+
     async def download_archive(self, adapter_id: str, dest_path: str | os.PathLike) -> Path:
         """Stream the signed `.lar` of `adapter_id` to `dest_path` (written to a temp name, then
         renamed, so a half download never looks complete). Verify it before use."""
@@ -232,12 +284,20 @@ class RegistryClient:
         """Swap the alias back to its previous adapter (a second rollback re-deploys)."""
         return await self._json("POST", f"/internal/aliases/{_alias_path(alias)}/rollback")
 
+    async def delete_alias(self, alias: str) -> None:
+        await self._json("DELETE", f"/internal/aliases/{_alias_path(alias)}")
+
     async def get_alias(self, alias: str) -> dict:
         return await self._json("GET", f"/internal/aliases/{_alias_path(alias)}")
 
     async def list_aliases(self, tenant_id: str | None = None) -> list[dict]:
         params = {"tenant_id": tenant_id} if tenant_id else None
         return await self._json("GET", "/internal/aliases", params=params)
+
+    async def audit(self, target: str | None = None, *, action: str | None = None, limit: int = 100) -> list[dict]:
+        """The audit trail, newest first: [{id, at, actor, client, action, target_kind, target, detail}]."""
+        params = {k: v for k, v in {"target": target, "action": action, "limit": limit}.items() if v is not None}
+        return await self._json("GET", "/internal/audit", params=params)
 
     # -- replicas and placements ------------------------------------------------------------
 

@@ -130,9 +130,12 @@ def create_app(settings: RegistrySettings | None = None) -> Litestar:
         render_plugins=[RegistryJsonRenderPlugin(), SwaggerRenderPlugin()],
         path="/schema",
     )
+    from lorafarm.accesslog import access_log_middleware
+
     return Litestar(
         route_handlers=[health_handler, *CONTROLLERS],
         lifespan=[lifespan],
+        middleware=[access_log_middleware("registry")],
         exception_handlers=EXCEPTION_HANDLERS,
         before_request=_allow_header,
         plugins=[PydanticPlugin(validate_strict=True)],  # no bool-as-int or str-as-number coercion

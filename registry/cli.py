@@ -81,7 +81,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"--store-url {settings.store_url!r}: use file:///abs/dir or s3://bucket/prefix")
     from registry.app import create_app
 
+    import logging
+
+    from lorafarm.accesslog import quiet_polling_loggers
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_polling_loggers()
     app = create_app(settings)
+    # lorafarm.access logs each request (polls at DEBUG) and lorafarm.audit each change.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 
@@ -124,13 +132,114 @@ def _tenants_list(args) -> int:
     return 0
 
 
+def _limit(value: str) -> float | None:
+    if value.strip().lower() in ("none", "unlimited"):
+        return None
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number (or 'none': unlimited)") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: a limit must be 0 or more")
+    return v
+
+
+def _tenants_set_limits(args) -> int:
+    limits = {k: v for k, v in (("requests_per_s", args.requests_per_s), ("tokens_per_s", args.tokens_per_s))
+              if v is not _UNSET}
+    if not limits:
+        raise CliError("give --requests-per-s and/or --tokens-per-s (a number, or 'none' for unlimited)")
+    out = _call(args, lambda reg: reg.set_tenant_limits(args.name, **limits))
+
+    def show(v):
+        return "unlimited" if v is None else f"{v:g}"
+
+    print(f"tenant {out['tenant_id']}: requests_per_s {show(out['requests_per_s'])}, "
+          f"tokens_per_s {show(out['tokens_per_s'])} (routers apply it within their key cache TTL)")
+    return 0
+
+
+def _keys_create(args) -> int:
+    out = _call(args, lambda reg: reg.create_key(args.tenant))
+    print(f"API key {out['key_id']} of {args.tenant} (shown only now):", file=sys.stderr)
+    print(out["api_key"])
+    return 0
+
+
+def _keys_list(args) -> int:
+    print(json.dumps(_call(args, lambda reg: reg.list_keys(args.tenant)), indent=1))
+    return 0
+
+
+def _keys_rotate(args) -> int:
+    out = _call(args, lambda reg: reg.rotate_keys(args.tenant, args.key_id))
+    revoked = ", ".join(out.get("revoked_key_ids") or []) or "none"
+    print(f"new API key {out['key_id']} of {args.tenant} (shown only now); revoked: {revoked}", file=sys.stderr)
+    print(out["api_key"])
+    return 0
+
+
+def _keys_revoke(args) -> int:
+    _call(args, lambda reg: reg.revoke_key(args.tenant, args.key_id))
+    print(f"revoked {args.key_id} of {args.tenant} (routers refuse it within their key cache TTL)")
+    return 0
+
+
+def _adapters_disable(args) -> int:
+    out = _call(args, lambda reg: reg.disable_adapter(args.adapter_id))
+    print(f"{out['adapter_id']}: {out['status']}")
+    return 0
+
+
+def _adapters_enable(args) -> int:
+    out = _call(args, lambda reg: reg.enable_adapter(args.adapter_id))
+    print(f"{out['adapter_id']}: {out['status']}")
+    return 0
+
+
+def _adapters_delete(args) -> int:
+    _call(args, lambda reg: reg.delete_adapter(args.adapter_id))
+    print(f"deleted {args.adapter_id}")
+    return 0
+
+
+def _aliases_delete(args) -> int:
+    _call(args, lambda reg: reg.delete_alias(args.alias))
+    print(f"deleted alias {args.alias}")
+    return 0
+
+
+def _audit(args) -> int:
+    rows = _call(args, lambda reg: reg.audit(args.target, action=args.action, limit=args.limit))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        detail = " ".join(f"{k}={v}" for k, v in sorted(r["detail"].items()))
+        print(f"{r['at']}  {r['actor']}  {r['action']}  {r['target']}  {detail}".rstrip())
+    return 0
+
+
+_UNSET = object()
+
+
 def _adapters_upload(args) -> int:
     from pathlib import Path
 
     if not Path(args.peft_dir).exists():
         raise CliError(f"{args.peft_dir}: no such folder or file")
+    base_hash = args.base_hash
+    if args.trained_on:
+        from archives.basehash import base_model_hash
+        from archives.errors import ArchiveError
+
+        try:
+            base_hash = base_model_hash(args.trained_on, progress=True)
+        except ArchiveError as e:
+            raise CliError(f"--trained-on: {e}") from None
     out = _call(args, lambda reg: reg.upload_adapter(args.peft_dir, args.tenant, alias=args.alias,
-                                                      base_model=args.base_model))
+                                                      base_model=args.base_model, base_model_hash=base_hash,
+                                                      assume_base=args.assume_base))
     note = "registered" if out.get("created", True) else "already registered"
     alias = f"; alias {out['alias']}" if out.get("alias") else ""
     print(f"{note}: rank {out['rank']}, {out['size_bytes']} bytes, {out['weights_uri']}{alias}", file=sys.stderr)
@@ -244,13 +353,55 @@ def register(sub) -> None:
     p = tenants.add_parser("list", help="list tenants (JSON)")
     _connection_flags(p)
     p.set_defaults(func=_tenants_list)
+    p = tenants.add_parser("set-limits", help="change a tenant's rate limits ('none': unlimited)")
+    p.add_argument("name", help="tenant id")
+    p.add_argument("--requests-per-s", type=_limit, default=_UNSET, metavar="R")
+    p.add_argument("--tokens-per-s", type=_limit, default=_UNSET, metavar="T")
+    _connection_flags(p)
+    p.set_defaults(func=_tenants_set_limits)
 
-    adapters = _group(sub, "adapters", "upload and list adapters")
+    keys = _group(sub, "keys", "create, list, rotate and revoke tenants' API keys")
+    p = keys.add_parser("create", help="a new API key for TENANT (printed once)")
+    p.add_argument("tenant")
+    _connection_flags(p)
+    p.set_defaults(func=_keys_create)
+    p = keys.add_parser("list", help="TENANT's keys (prefixes only; JSON)")
+    p.add_argument("tenant")
+    _connection_flags(p)
+    p.set_defaults(func=_keys_list)
+    p = keys.add_parser("rotate", help="a new key for TENANT (printed once); revokes KEY_ID, or every live key")
+    p.add_argument("tenant")
+    p.add_argument("key_id", nargs="?", default=None)
+    _connection_flags(p)
+    p.set_defaults(func=_keys_rotate)
+    p = keys.add_parser("revoke", help="revoke KEY_ID of TENANT")
+    p.add_argument("tenant")
+    p.add_argument("key_id")
+    _connection_flags(p)
+    p.set_defaults(func=_keys_revoke)
+
+    p = sub.add_parser("audit", help="who changed which tenant, key, adapter or alias, and when (newest first)")
+    p.add_argument("--target", default=None, help="one tenant, key id, adapter id or alias")
+    p.add_argument("--action", default=None, help="e.g. alias.set, adapter.delete, key.rotate")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--json", action="store_true")
+    _connection_flags(p)
+    p.set_defaults(func=_audit)
+
+    adapters = _group(sub, "adapters", "upload, list, disable and delete adapters")
     p = adapters.add_parser("upload", help="upload a PEFT adapter folder (or tar); prints the adapter id")
     p.add_argument("peft_dir", help="folder with adapter_config.json + adapter_model.safetensors, or a tar of one")
     p.add_argument("--tenant", required=True, help="owning tenant id")
     p.add_argument("--alias", default=None, help="also point this alias (<tenant>/<name>:<tag>) at it")
     p.add_argument("--base-model", default=None, help="served base model name or hash (default: the only one)")
+    trained = p.add_mutually_exclusive_group()
+    trained.add_argument("--base-hash", default=None, metavar="sha256:...",
+                         help="hash of the base it was trained on (`lorafarm archive basehash DIR`); default: "
+                         "base_model_hash.txt beside the adapter")
+    trained.add_argument("--trained-on", default=None, metavar="BASE_DIR",
+                         help="the base folder it was trained on (its hash is sent)")
+    trained.add_argument("--assume-base", action="store_true",
+                         help="no base hash: trust that the adapter was trained on the chosen base")
     _connection_flags(p)
     p.set_defaults(func=_adapters_upload)
     from loadtests.cli import add_synth_parser
@@ -260,6 +411,15 @@ def register(sub) -> None:
     p.add_argument("--tenant", default=None)
     _connection_flags(p)
     p.set_defaults(func=_adapters_list)
+    for action, func, text in (
+        ("disable", _adapters_disable, "stop serving ADAPTER_ID (404 at the router; replicas unload it when idle)"),
+        ("enable", _adapters_enable, "serve a disabled ADAPTER_ID again"),
+        ("delete", _adapters_delete, "delete ADAPTER_ID and its archive (refused while an alias points to it)"),
+    ):
+        p = adapters.add_parser(action, help=text)
+        p.add_argument("adapter_id")
+        _connection_flags(p)
+        p.set_defaults(func=func)
 
     aliases = _group(sub, "aliases", "deploy and roll back aliases")
     p = aliases.add_parser("set", help="deploy: point ALIAS at ADAPTER_ID")
@@ -271,6 +431,10 @@ def register(sub) -> None:
     p.add_argument("alias")
     _connection_flags(p)
     p.set_defaults(func=_aliases_rollback)
+    p = aliases.add_parser("delete", help="delete ALIAS (its adapters stay)")
+    p.add_argument("alias")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_delete)
     p = aliases.add_parser("get", help="show ALIAS (JSON)")
     p.add_argument("alias")
     _connection_flags(p)

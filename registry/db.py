@@ -92,14 +92,21 @@ class Database:
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncSession]:
-        """A serialized write transaction; commits on success, rolls back on any exception."""
+        """A serialized write transaction; commits on success, rolls back on any exception. The
+        audit lines of the transaction (registry.audit) are logged once it committed."""
+        from registry.audit import flush_log
+
         if self.dialect == "sqlite":
-            async with self._lock, self.sessions() as session, session.begin():
-                yield session
+            async with self._lock, self.sessions() as session:
+                async with session.begin():
+                    yield session
+                flush_log(session)
         else:
-            async with self.sessions() as session, session.begin():
-                await session.execute(select(RegistryState.id).where(RegistryState.id == 1).with_for_update())
-                yield session
+            async with self.sessions() as session:
+                async with session.begin():
+                    await session.execute(select(RegistryState.id).where(RegistryState.id == 1).with_for_update())
+                    yield session
+                flush_log(session)
 
     @staticmethod
     async def bump(session: AsyncSession) -> None:

@@ -47,6 +47,13 @@ class TenantCreate(_In):
     tokens_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
 
 
+class TenantLimits(_In):
+    """PATCH body: the fields sent are changed (null: unlimited); the fields left out are kept."""
+
+    requests_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
+    tokens_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
+
+
 class TenantCreated(BaseModel):
     tenant_id: str
     api_key: str = Field(description="shown only in this answer")
@@ -63,6 +70,7 @@ class TenantOut(BaseModel):
 class KeyCreated(BaseModel):
     key_id: str
     api_key: str = Field(description="shown only in this answer")
+    revoked_key_ids: list[str] = Field(default_factory=list, description="keys a rotation revoked")
 
 
 class KeyOut(BaseModel):
@@ -128,6 +136,8 @@ class AdapterUploadForm:
     tenant_id: str
     alias: str | None = None
     base_model: str | None = None
+    base_model_hash: str | None = None  # the base the adapter was trained on (`lorafarm archive basehash DIR`)
+    assume_base: str | None = None  # "true": no hash sent, the caller vouches it matches the chosen base
     version: str | None = None
     files: list[UploadFile] | None = None
     archive: UploadFile | None = None
@@ -254,3 +264,17 @@ class RoutingTable(BaseModel):
 class Health(BaseModel):
     status: str
     version: int
+
+
+# -- audit -------------------------------------------------------------------------------------
+
+
+class AuditOut(BaseModel):
+    id: int
+    at: datetime
+    actor: str
+    client: str | None
+    action: str = Field(description="e.g. tenant.create, key.rotate, adapter.delete, alias.set")
+    target_kind: str = Field(description="tenant | key | adapter | alias")
+    target: str
+    detail: dict

@@ -158,4 +158,19 @@ class RegistryState(SQLModel, table=True):
     version: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
 
 
-ALL_TABLES = [Tenant, ApiKey, Adapter, Alias, Placement, AdapterStat, Replica, Worker, CriticalModel, RegistryState]
+class AuditEntry(SQLModel, table=True):
+    """Who changed what, when: one row per change to a tenant, key, adapter or alias (append only)."""
+
+    __tablename__ = "audit_log"
+
+    id: int | None = Field(default=None, sa_column=Column(Integer, primary_key=True, autoincrement=True))
+    at: datetime = Field(default_factory=utcnow, sa_column=Column(DateTime(timezone=True), nullable=False, index=True))
+    actor: str = Field(sa_column=Column(String(255), nullable=False))
+    client: str | None = Field(default=None, sa_column=Column(String(64), nullable=True))
+    action: str = Field(sa_column=Column(String(32), nullable=False))
+    target_kind: str = Field(sa_column=Column(String(16), nullable=False))
+    target: str = Field(sa_column=Column(String(255), nullable=False, index=True))
+    detail: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+ALL_TABLES = [Tenant, ApiKey, Adapter, Alias, Placement, AdapterStat, Replica, Worker, CriticalModel, RegistryState, AuditEntry]

@@ -59,6 +59,7 @@ class RouterCore:
     ):
         self.settings = s = settings
         self.metrics = RouterMetrics()
+        self.metrics.price_per_replica_hour.set(settings.price_per_replica_hour)
         self._own_http = http is None
         self.http = http or httpx.AsyncClient(
             limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
@@ -133,10 +134,12 @@ class RouterCore:
             table, etag = await self.registry.routing_table(self.etag, wait=wait, router_id=self.router_id)
         except Exception as e:
             self.metrics.registry_errors.labels("routing").inc()
+            self.metrics.registry_reachable.set(0)
             if not self._registry_down_logged:
                 log.warning("routing table unavailable from the registry (%s); keeping the last one", e)
                 self._registry_down_logged = True
             return False
+        self.metrics.registry_reachable.set(1)
         if self._registry_down_logged:
             log.info("registry reachable again")
             self._registry_down_logged = False
@@ -278,6 +281,12 @@ class RouterCore:
 
     def models(self, tenant: Tenant) -> dict:
         return self.catalog.models_for(tenant.tenant_id)
+
+    def model(self, tenant: Tenant, model: str) -> dict:
+        try:
+            return self.catalog.model_for(tenant.tenant_id, model)
+        except ModelNotFound as e:
+            raise ApiError(404, str(e), code="model_not_found", param="model") from None
 
     def route(self, resolved: Resolved, tokens: int) -> list[RankedReplica]:
         rr = RouteRequest(
@@ -421,6 +430,7 @@ class RouterCore:
                     request_id=request_id,
                     tenant_id=tenant.tenant_id,
                     read_whole_body=not parsed.stream,
+                    model_name=parsed.model,
                 ),
             )
         except BaseException:
@@ -433,6 +443,7 @@ class RouterCore:
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
             e2e = time.perf_counter() - arrived
             self.metrics.requests.labels(endpoint, str(outcome.status_code), "none").inc()
+            self.metrics.record_usage(tenant.tenant_id, outcome.status_code, 0, 0, None)
             self._log(request_id, tenant, parsed, resolved, None, outcome.status_code, "none", None, e2e,
                       attempts=outcome.attempts)  # fmt: skip
             headers = {**outcome.headers, **base_headers}
@@ -501,6 +512,10 @@ class RouterCore:
             else:
                 actual = 0
             self.limiter.settle(tenant.tenant_id, parsed.cost, actual)
+            prompt_t = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else (
+                parsed.prompt_tokens if status < 400 else 0)
+            self.metrics.record_usage(tenant.tenant_id, status if ok else 502, prompt_t,
+                                      max(0, actual - prompt_t), resolved.adapter_id if status < 400 else None)
             if resolved.adapter_id and status < 400:
                 self.stats.record(resolved.adapter_id, actual, gpu_hit=(tier == "gpu"))
             ttft_log = ((scanner.first_token_at or opened.first_byte_at) - arrived) if parsed.stream else None
@@ -645,6 +660,14 @@ async def list_models(request: Request) -> Response:
     return Response(content=json.dumps(core.models(tenant)).encode(), media_type="application/json")
 
 
+@get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> Response:
+    core = _core(request)
+    tenant = await core.authenticate(request)
+    entry = core.model(tenant, model_id.lstrip("/"))
+    return Response(content=json.dumps(entry).encode(), media_type="application/json")
+
+
 @get("/health")
 async def health(request: Request) -> Response:
     status, body = _core(request).health()
@@ -713,7 +736,7 @@ def create_app(
             await core.stop()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, list_models, health, metrics],
+        route_handlers=[chat_completions, completions, embeddings, list_models, get_model, health, metrics],
         lifespan=[lifespan],
         exception_handlers={
             ApiError: _api_error_handler,

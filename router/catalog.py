@@ -2,8 +2,9 @@
 
 The catalog is the de-duplicated union of the models every routable replica serves (base and
 embedding models from its last state report, else from its registry entry), rebuilt when the view
-changes (at the state-poll cadence) and served from cache, plus the caller's own aliases with
-`parent` = their base model (vLLM's convention for adapters).
+changes (at the state-poll cadence) and served from cache, plus everything the caller may call:
+its aliases and its active adapter ids, each with `root` = the adapter id and `parent` = its base
+model (vLLM's convention for adapters). `GET /v1/models/{id}` answers one of those entries.
 
 Resolution: a tenant reaches its own aliases, its own adapter ids and the base models; anything
 else, existing or not, is `model_not_found` (the same answer either way, so a tenant cannot probe
@@ -49,6 +50,7 @@ class Catalog:
         self._hash_names: dict[str, str] = {}
         self._created = int(time.time())
         self.workers = None  # router.workers.ForeignWorkers: their models join the union
+        self._ids_for: tuple[object, dict[str, list[str]]] = (None, {})
 
     # -- union of replica models, cached ---------------------------------------------------
 
@@ -101,17 +103,37 @@ class Catalog:
             adapter = table.adapters.get(adapter_id)
             if adapter is None or not _active(adapter):
                 continue
-            data.append(
-                {
-                    "id": alias,
-                    "object": "model",
-                    "created": self._created,
-                    "owned_by": tenant_id,
-                    "root": adapter_id,
-                    "parent": self._hash_names.get(str(adapter.get("base_model_hash") or "")),
-                }
-            )
+            data.append(self._adapter_entry(tenant_id, alias, adapter_id, adapter))
+        for adapter_id in self._tenant_adapters(table).get(tenant_id, ()):
+            data.append(self._adapter_entry(tenant_id, adapter_id, adapter_id, table.adapters[adapter_id]))
         return {"object": "list", "data": data}
+
+    def model_for(self, tenant_id: str, model: str) -> dict:
+        """`GET /v1/models/{model}`: one entry of the tenant's list, else ModelNotFound."""
+        for entry in self.models_for(tenant_id)["data"]:
+            if entry["id"] == model:
+                return entry
+        raise ModelNotFound(model)
+
+    def _adapter_entry(self, tenant_id: str, name: str, adapter_id: str, adapter: dict) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": tenant_id,
+            "root": adapter_id,
+            "parent": self._hash_names.get(str(adapter.get("base_model_hash") or "")),
+        }
+
+    def _tenant_adapters(self, table: RoutingTable) -> dict[str, list[str]]:
+        """tenant -> its active adapter ids (every version it may call by id), per table version."""
+        if self._ids_for[0] is not table:
+            by_tenant: dict[str, list[str]] = {}
+            for adapter_id, adapter in sorted(table.adapters.items()):
+                if _active(adapter) and adapter.get("tenant_id"):
+                    by_tenant.setdefault(str(adapter["tenant_id"]), []).append(adapter_id)
+            self._ids_for = (table, by_tenant)
+        return self._ids_for[1]
 
     # -- resolution -------------------------------------------------------------------------
 

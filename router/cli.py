@@ -20,7 +20,9 @@ def _router(args: argparse.Namespace) -> int:
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    from lorafarm.accesslog import quiet_polling_loggers
+
+    quiet_polling_loggers()  # one line per upstream call is noise
     try:
         settings = RouterSettings(
             registry_url=args.registry,
@@ -38,6 +40,7 @@ def _router(args: argparse.Namespace) -> int:
             state_timeout=args.state_timeout,
             health_timeout=args.state_timeout,
             **({"redis_url": args.redis_url} if args.redis_url else {}),
+            price_per_replica_hour=args.price_per_replica_hour,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -99,5 +102,8 @@ def register(sub) -> None:
                    help="seconds an idle kept-alive client connection stays open (default 5)")  # fmt: skip
     p.add_argument("--max-client-connections", type=int, default=4096,
                    help="client connections + requests in progress; 503 above (default 4096)")  # fmt: skip
+    p.add_argument("--price-per-replica-hour", type=float,
+                   default=float(os.environ.get("LORAFARM_PRICE_PER_REPLICA_HOUR") or 0.0),
+                   help="price of one replica-hour, exported for the cost-per-1M-tokens panel and rule (default 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_router)

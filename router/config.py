@@ -73,6 +73,9 @@ class RouterSettings:
     # stats pushed to the registry
     stats_window: float = 10.0
 
+    # cost: the price of one replica-hour (any currency); dashboards derive cost per 1M tokens from it
+    price_per_replica_hour: float = field(default_factory=lambda: _env_float("LORAFARM_PRICE_PER_REPLICA_HOUR", 0.0))
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")

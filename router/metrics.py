@@ -3,6 +3,8 @@ Each app gets its own CollectorRegistry, so several routers can live in one proc
 
 from __future__ import annotations
 
+import hashlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -10,6 +12,16 @@ from router.routing import ReplicaSnapshot
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+ADAPTER_BUCKETS = 64  # per-adapter series: adapter ids hashed into this many fixed labels
+
+
+def adapter_bucket(adapter_id: str, buckets: int = ADAPTER_BUCKETS) -> str:
+    """The fixed label (`00`..`63`) an adapter's counters land in: sha256(id) mod buckets. The
+    series count stays `buckets` whatever the number of adapters; exact per-adapter numbers are
+    the registry's `adapter_stats` (pushed by the router every stats window)."""
+    return f"{int.from_bytes(hashlib.sha256(adapter_id.encode()).digest()[:8], 'big') % buckets:02d}"
 
 
 class RouterMetrics:
@@ -84,6 +96,30 @@ class RouterMetrics:
             "lorafarm_router_critical_model_degraded", "1 while a latency-critical model has fewer than two "
             "healthy workers", ["model"], registry=r,
         )  # fmt: skip
+        # chargeback: per tenant (one series per tenant) and per adapter bucket (bounded)
+        self.tenant_requests = Counter(
+            "lorafarm_router_tenant_requests", "Requests answered per tenant, by status class (2xx, 4xx, 5xx)",
+            ["tenant", "status_class"], registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "lorafarm_router_tenant_tokens", "Tokens per tenant: kind prompt | completion",
+            ["tenant", "kind"], registry=r,
+        )  # fmt: skip
+        self.adapter_requests = Counter(
+            "lorafarm_router_adapter_requests", "Requests per adapter bucket (sha256(adapter_id) mod 64)",
+            ["adapter_bucket"], registry=r,
+        )  # fmt: skip
+        self.adapter_tokens = Counter(
+            "lorafarm_router_adapter_tokens", "Tokens per adapter bucket (sha256(adapter_id) mod 64)",
+            ["adapter_bucket"], registry=r,
+        )  # fmt: skip
+        self.price_per_replica_hour = Gauge(
+            "lorafarm_router_price_per_replica_hour", "Configured price of one replica-hour (cost per token derives from it)",
+            registry=r,
+        )  # fmt: skip
+        self.registry_reachable = Gauge(
+            "lorafarm_router_registry_reachable", "1 when the last routing-table poll reached the registry", registry=r
+        )
 
     def observe_critical(self, holders: dict[str, int]) -> None:
         for (model,) in [k for k in list(self.critical_workers._metrics) if k[0] not in holders]:
@@ -92,6 +128,19 @@ class RouterMetrics:
         for model, n in holders.items():
             self.critical_workers.labels(model).set(n)
             self.critical_degraded.labels(model).set(1 if n < 2 else 0)
+
+    def record_usage(self, tenant: str, status: int, prompt_tokens: int, completion_tokens: int,
+                     adapter_id: str | None) -> None:
+        """Count one answered request for chargeback."""
+        self.tenant_requests.labels(tenant, f"{status // 100}xx").inc()
+        if prompt_tokens:
+            self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.tenant_tokens.labels(tenant, "completion").inc(completion_tokens)
+        if adapter_id:
+            bucket = adapter_bucket(adapter_id)
+            self.adapter_requests.labels(bucket).inc()
+            self.adapter_tokens.labels(bucket).inc(prompt_tokens + completion_tokens)
 
     def observe_replica(self, s: ReplicaSnapshot) -> None:
         self.replica_healthy.labels(s.replica_id).set(1 if s.healthy else 0)

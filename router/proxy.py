@@ -197,8 +197,11 @@ class Proxy:
         request_id: str,
         tenant_id: str,
         read_whole_body: bool,
+        model_name: str | None = None,
     ) -> Opened | Failed:
         headers = self._headers(request_id, tenant_id)
+        if model_name:  # the name the client asked for: the replica echoes it as `model` (vLLM does)
+            headers[MODEL_NAME_HEADER] = model_name
         tried: list[str] = []
         last_http: tuple[int, bytes, dict[str, str]] | None = None
         for attempt, cand in enumerate(ranked[: self.max_attempts], start=1):
@@ -346,6 +349,9 @@ class Proxy:
         finally:
             await opened.aclose()
             on_done(outcome)
+
+
+MODEL_NAME_HEADER = "x-lorafarm-model-name"
 
 
 def _keep(headers: httpx.Headers) -> dict[str, str]:

@@ -165,6 +165,9 @@ def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int 
     except OSError as e:
         raise CliError(f"--out {out}: {e.strerror}") from None
 
+    from archives.basehash import TRAINED_BASE_FILE, base_model_hash, write_trained_base
+
+    trained_on = base_model_hash(base)  # recorded beside each adapter, as a training job should
     index: dict[str, dict] = {}
     loaded = None
     for i in tqdm(range(count), desc="canary adapters", unit="adapter", disable=not progress):
@@ -177,6 +180,8 @@ def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int 
             loaded = loaded or _load_base(base)
             train_canary(loaded[1], loaded[0], spec, folder)
             key_file.write_text(key + "\n")
+        if not (folder / TRAINED_BASE_FILE).is_file():
+            write_trained_base(folder, trained_on)
         index[name] = {"path": name, **asdict(spec), "target_modules": list(spec.target_modules)}
     tmp = out / ".markers.json.tmp"
     tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")

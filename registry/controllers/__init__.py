@@ -2,6 +2,7 @@
 
 from registry.controllers.adapters import AdapterController
 from registry.controllers.aliases import AliasController
+from registry.controllers.audit import AuditController
 from registry.controllers.replicas import PlacementController, ReplicaController
 from registry.controllers.routing import RoutingController, StatsController
 from registry.controllers.tenants import AuthController, TenantController
@@ -18,4 +19,5 @@ CONTROLLERS = [
     RoutingController,
     WorkerController,
     CriticalModelController,
+    AuditController,
 ]

@@ -12,13 +12,16 @@ import tempfile
 from pathlib import Path
 from typing import Annotated
 
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Request, Response, delete, get, post
 from litestar.di import Provide
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, Parameter
 from litestar.response import Stream
-from sqlalchemy import func, select
+from sqlalchemy import delete as sql_delete
+from sqlalchemy import func, or_, select
 
+from archives.basehash import TRAINED_BASE_FILE
+from registry import audit
 from registry.context import RegistryContext
 from registry.controllers.aliases import apply_alias, check_alias_name
 from registry.controllers.common import adapter_out, admin_guard, errors, get_ctx, reject_unknown_query
@@ -30,11 +33,12 @@ from registry.schemas import (
     AdapterUploaded,
     AdapterUploadForm,
 )
-from registry.tables import Adapter, Alias, Tenant, utcnow
+from registry.tables import Adapter, AdapterStat, Alias, Placement, Tenant, utcnow
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PAYLOAD = (CONFIG_NAME, WEIGHTS_NAME)
+ACCEPTED = (*PAYLOAD, TRAINED_BASE_FILE)  # base_model_hash.txt: the base it was trained on, if recorded
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _TENANT_RE = re.compile(TENANT_ID_PATTERN)
 log = logging.getLogger("lorafarm.registry")
@@ -75,7 +79,7 @@ def _extract_tar(path: Path, dest: Path, limit: int) -> None:
                 if not member.isfile():
                     continue
                 _refuse_pickle(name)
-                if name not in PAYLOAD:
+                if name not in ACCEPTED:
                     continue
                 if name in found:
                     raise ApiError(422, f"the tar holds {name} twice", code="invalid_adapter")
@@ -101,7 +105,7 @@ class AdapterController(Controller):
 
     @post("/", status_code=201, responses=errors(409, 422),
           summary="Register the metadata of a signed archive already in the registry's object store")
-    async def register(self, ctx: RegistryContext, data: AdapterRegister) -> Response[AdapterOut]:
+    async def register(self, ctx: RegistryContext, request: Request, data: AdapterRegister) -> Response[AdapterOut]:
         from archives.digest import file_sha256
         from archives.errors import ArchiveError, ObjectNotFoundError
         from archives.verify import verify_archive
@@ -170,6 +174,8 @@ class AdapterController(Controller):
                                    code="adapter_exists", param="adapter_id")
                 return Response(AdapterOut(**adapter_out(again)), status_code=200)
             session.add(row)
+            audit.record(session, request, "adapter.register", "adapter", data.adapter_id, tenant_id=data.tenant_id,
+                         version=data.version, base_model_hash=data.base_model_hash, checksum=data.checksum)
             await ctx.db.bump(session)
         return Response(AdapterOut(**adapter_out(row)), status_code=201)
 
@@ -180,6 +186,7 @@ class AdapterController(Controller):
     async def upload(
         self,
         ctx: RegistryContext,
+        request: Request,
         data: Annotated[AdapterUploadForm, Body(media_type=RequestEncodingType.MULTI_PART)],
     ) -> Response[AdapterUploaded]:
         from archives.errors import ArchiveError
@@ -210,7 +217,6 @@ class AdapterController(Controller):
         async with ctx.db.read() as session:
             if await session.get(Tenant, tenant_id) is None:
                 raise ApiError(422, f"no tenant {tenant_id!r}", code="tenant_not_found", param="tenant_id")
-            base_hash, base_config = await _choose_base(ctx, session, data.base_model)
 
         with tempfile.TemporaryDirectory(prefix="lorafarm-upload-") as tmp:
             folder = Path(tmp) / "adapter"
@@ -220,16 +226,26 @@ class AdapterController(Controller):
                 for u in uploads:
                     name = (u.filename or "").replace("\\", "/").rsplit("/", 1)[-1]
                     _refuse_pickle(name)
-                    if name not in PAYLOAD:
+                    if name not in ACCEPTED:
                         continue  # README.md, training state, ...: not part of an adapter
                     if name in seen:
                         raise ApiError(400, f"{name} sent twice", code="validation_error", param="files")
                     seen.add(name)
-                    await _save_upload(u, folder / name, s.max_upload_bytes)
+                    await _save_upload(u, folder / name, s.max_upload_bytes if name in PAYLOAD else 1024)
             else:
                 tar_path = Path(tmp) / "upload.tar"
                 await _save_upload(data.archive, tar_path, s.max_upload_bytes)
                 await asyncio.to_thread(_extract_tar, tar_path, folder, s.max_upload_bytes)
+            trained = await _trained_base(folder, data.base_model_hash)
+            async with ctx.db.read() as session:
+                if trained and not (data.base_model or "").strip():
+                    known = await ctx.known_base_hashes(session)
+                    if trained not in known:
+                        raise ApiError(422, f"this adapter was trained on base {trained}, which this fleet does not "
+                                       f"serve (served: {', '.join(sorted(known)) or 'none'})", code="base_mismatch",
+                                       param="base_model_hash")
+                base_hash, base_config = await _choose_base(ctx, session, data.base_model or trained or None)
+            _check_trained_base(base_hash, trained, data.assume_base)
             from archives.peft_dir import read_peft_dir
 
             try:
@@ -238,10 +254,55 @@ class AdapterController(Controller):
                 raise ApiError(422, f"invalid adapter: {e}", code="invalid_adapter") from None
             if info.rank > s.rank_limit:
                 raise ApiError(422, f"rank {info.rank} is above the fleet limit {s.rank_limit}", code="rank_limit")
-            response = await _store_and_register(ctx, folder, tenant_id, info, base_hash, base_config, version, alias)
+            response = await _store_and_register(ctx, request, folder, tenant_id, info, base_hash, base_config,
+                                                 version, alias, assumed=not trained)
         if alias:
             await ctx.wait_for_routers()  # read-your-writes: routers serve the alias when this returns
         return response
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @post("/{adapter_id:str}/disable", status_code=200, responses=errors(404),
+          summary="Disable: the router answers 404 for it (aliases kept); replicas unload it once idle")
+    async def disable(self, ctx: RegistryContext, request: Request, adapter_id: str = AdapterId) -> AdapterOut:
+        return await _set_status(ctx, request, adapter_id, "disabled")
+
+    @post("/{adapter_id:str}/enable", status_code=200, responses=errors(404), summary="Serve a disabled adapter again")
+    async def enable(self, ctx: RegistryContext, request: Request, adapter_id: str = AdapterId) -> AdapterOut:
+        return await _set_status(ctx, request, adapter_id, "active")
+
+    @delete("/{adapter_id:str}", status_code=204, responses=errors(404, 409),
+            summary="Delete an adapter no alias points to (row, placements, stats and its archive)")
+    async def delete_adapter(self, ctx: RegistryContext, request: Request, adapter_id: str = AdapterId) -> None:
+        async with ctx.db.write() as session:
+            row = await session.get(Adapter, adapter_id)
+            if row is None:
+                raise ApiError(404, f"no adapter {adapter_id}", code="adapter_not_found", param="adapter_id")
+            users = (await session.execute(
+                select(Alias).where(or_(Alias.adapter_id == adapter_id, Alias.previous_adapter_id == adapter_id))
+                .order_by(Alias.alias)
+            )).scalars().all()
+            if users:
+                uses = "; ".join(
+                    f"alias {a.alias} points to it" if a.adapter_id == adapter_id else f"alias {a.alias} rolls back to it"
+                    for a in users
+                )
+                raise ApiError(409, f"adapter {adapter_id} is in use: {uses}. Point the alias elsewhere "
+                               "(`lorafarm aliases set`) or delete it (`lorafarm aliases delete`) first",
+                               code="adapter_in_use", param="adapter_id")
+            key = ctx.store.key_for(row.weights_uri)
+            await session.execute(sql_delete(Placement).where(Placement.adapter_id == adapter_id))
+            await session.execute(sql_delete(AdapterStat).where(AdapterStat.adapter_id == adapter_id))
+            await session.delete(row)
+            audit.record(session, request, "adapter.delete", "adapter", adapter_id, tenant_id=row.tenant_id,
+                         version=row.version, checksum=row.checksum)
+            await ctx.db.bump(session)
+        await ctx.wait_for_routers()  # routers stop resolving it when this returns
+        if key:
+            try:
+                await ctx.store.delete(key)
+            except Exception:  # the row is gone; a leftover object is harmless, and logged
+                log.exception("could not delete the archive %s of deleted adapter %s", key, adapter_id)
 
     # -- read -------------------------------------------------------------------------------
 
@@ -308,6 +369,21 @@ class AdapterController(Controller):
         )
 
 
+async def _set_status(ctx: RegistryContext, request: Request, adapter_id: str, status: str) -> AdapterOut:
+    async with ctx.db.write() as session:
+        row = await session.get(Adapter, adapter_id)
+        if row is None:
+            raise ApiError(404, f"no adapter {adapter_id}", code="adapter_not_found", param="adapter_id")
+        if row.status != status:
+            audit.record(session, request, "adapter.disable" if status == "disabled" else "adapter.enable", "adapter",
+                         adapter_id, tenant_id=row.tenant_id, before=row.status)
+            row.status = status
+            await ctx.db.bump(session)
+        out = AdapterOut(**adapter_out(row))
+    await ctx.wait_for_routers()  # read-your-writes: routers answer by the new status when this returns
+    return out
+
+
 def _store_key(ctx: RegistryContext, uri: str) -> str:
     """The store key of `uri`, refusing anything outside the registry's own store."""
     try:
@@ -319,6 +395,43 @@ def _store_key(ctx: RegistryContext, uri: str) -> str:
                        f"({ctx.settings.store_url}); only archives in it can be registered",
                        code="uri_outside_store", param="weights_uri")
     return key
+
+
+async def _trained_base(folder: Path, field: str | None) -> str | None:
+    """The base hash the upload says the adapter was trained on: the form field and/or the
+    base_model_hash.txt sent beside the adapter files (they must agree)."""
+    from archives.basehash import is_base_hash, read_trained_base
+    from archives.errors import ArchiveError
+
+    field = (field or "").strip() or None
+    if field and not is_base_hash(field):
+        raise ApiError(400, f"base_model_hash {field[:80]!r} is not sha256:<64 hex>", code="validation_error",
+                       param="base_model_hash")
+    try:
+        recorded = read_trained_base(folder)
+    except ArchiveError:
+        raise ApiError(400, f"{TRAINED_BASE_FILE} does not hold sha256:<64 hex>", code="validation_error",
+                       param="files") from None
+    if field and recorded and field != recorded:
+        raise ApiError(422, f"base_model_hash {field} disagrees with the {TRAINED_BASE_FILE} sent ({recorded})",
+                       code="base_mismatch", param="base_model_hash")
+    return field or recorded
+
+
+def _check_trained_base(served: str, trained: str | None, assume_base: str | None) -> None:
+    """An adapter serves correctly only on the exact base it was trained on: a same-shape other base
+    loads without error and answers garbage. So an upload must say which base it was trained on
+    (`base_model_hash`), or explicitly waive the check (`assume_base=true`)."""
+    trained = (trained or "").strip()
+    if trained:
+        if trained != served:
+            raise ApiError(422, f"this adapter was trained on base {trained}, not on the chosen base {served}; "
+                           "upload it to a registry serving that base", code="base_mismatch", param="base_model_hash")
+        return
+    if (assume_base or "").strip().lower() not in ("1", "true", "yes"):
+        raise ApiError(422, "base_model_hash is required: send the hash of the base the adapter was trained on "
+                       "(`lorafarm archive basehash BASE_DIR` prints it), or assume_base=true to skip the check",
+                       code="base_model_hash_required", param="base_model_hash")
 
 
 async def _choose_base(ctx: RegistryContext, session, base_model: str | None) -> tuple[str, dict | None]:
@@ -349,7 +462,8 @@ async def _choose_base(ctx: RegistryContext, session, base_model: str | None) ->
                    code="base_model_required", param="base_model")
 
 
-async def _store_and_register(ctx, folder, tenant_id, info, base_hash, base_config, version, alias) -> Response:
+async def _store_and_register(ctx, request, folder, tenant_id, info, base_hash, base_config, version, alias,
+                              *, assumed: bool = False) -> Response:
     """Build, sign and store the archive, then insert the row (and alias) in one transaction; on any
     failure after the object was written, delete it. Idempotent on (tenant, content)."""
     from archives.build import build_archive
@@ -377,6 +491,8 @@ async def _store_and_register(ctx, folder, tenant_id, info, base_hash, base_conf
                     changed = before is None or before.adapter_id != adapter_id
                     alias_row = await apply_alias(ctx, session, alias, adapter_id)
                     if changed:
+                        audit.record(session, request, "alias.set", "alias", alias, adapter_id=adapter_id,
+                                     previous_adapter_id=before.adapter_id if before else None)
                         await ctx.db.bump(session)
             out = AdapterUploaded(**adapter_out(existing), alias=alias_row.alias if alias_row else None, created=False)
             return Response(out, status_code=200)
@@ -404,7 +520,15 @@ async def _store_and_register(ctx, folder, tenant_id, info, base_hash, base_conf
             async with ctx.db.write() as session:
                 session.add(row)
                 await session.flush()
+                audit.record(session, request, "adapter.upload", "adapter", adapter_id, tenant_id=tenant_id,
+                             version=version, base_model_hash=base_hash, base_assumed=assumed or None,
+                             checksum=checksum)
+                before = await session.get(Alias, alias) if alias else None
+                previous = before.adapter_id if before else None
                 alias_row = await apply_alias(ctx, session, alias, adapter_id) if alias else None
+                if alias_row is not None:
+                    audit.record(session, request, "alias.set", "alias", alias, adapter_id=adapter_id,
+                                 previous_adapter_id=previous)
                 await ctx.db.bump(session)
         except BaseException:
             await asyncio.shield(_delete_orphan(ctx, key, adapter_id))

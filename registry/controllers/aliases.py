@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import re
 
-from litestar import Controller, Request, get, post, put
+from litestar import Controller, Request, delete, get, post, put
 from litestar.di import Provide
 from litestar.params import Parameter
 from sqlalchemy import select
 
+from registry import audit
 from registry.context import RegistryContext
 from registry.controllers.common import admin_guard, alias_out, errors, get_ctx, reject_unknown_query
 from registry.errors import ApiError
@@ -66,14 +67,17 @@ class AliasController(Controller):
     @put("/{tenant_id:str}/{name:str}", responses=errors(422),
          summary="Deploy: point the alias <tenant_id>/<name> at an adapter (keeps the previous one)")
     async def set_alias(
-        self, ctx: RegistryContext, data: AliasSet, tenant_id: str = TenantId, name: str = AliasName
+        self, ctx: RegistryContext, request: Request, data: AliasSet, tenant_id: str = TenantId,
+        name: str = AliasName,
     ) -> AliasOut:
         alias = f"{tenant_id}/{name}"
         async with ctx.db.write() as session:
             before = await session.get(Alias, alias)
-            unchanged = before is not None and before.adapter_id == data.adapter_id
+            previous = before.adapter_id if before is not None else None
             row = await apply_alias(ctx, session, alias, data.adapter_id)
-            if not unchanged:
+            if previous != data.adapter_id:
+                audit.record(session, request, "alias.set", "alias", alias, adapter_id=data.adapter_id,
+                             previous_adapter_id=previous)
                 await ctx.db.bump(session)
             out = AliasOut(**alias_out(row))
         await ctx.wait_for_routers()  # read-your-writes: routers serve the new target when this returns
@@ -81,7 +85,8 @@ class AliasController(Controller):
 
     @post("/{tenant_id:str}/{name:str}/rollback", status_code=200, responses=errors(404, 409),
           summary="Roll back: swap the alias with its previous adapter")
-    async def rollback(self, ctx: RegistryContext, tenant_id: str = TenantId, name: str = AliasName) -> AliasOut:
+    async def rollback(self, ctx: RegistryContext, request: Request, tenant_id: str = TenantId,
+                       name: str = AliasName) -> AliasOut:
         alias = f"{tenant_id}/{name}"
         async with ctx.db.write() as session:
             row = await session.get(Alias, alias)
@@ -91,10 +96,27 @@ class AliasController(Controller):
                 raise ApiError(409, f"alias {alias} has no previous adapter to roll back to", code="no_previous")
             row.adapter_id, row.previous_adapter_id = row.previous_adapter_id, row.adapter_id
             row.updated_at = utcnow()
+            audit.record(session, request, "alias.rollback", "alias", alias, adapter_id=row.adapter_id,
+                         previous_adapter_id=row.previous_adapter_id)
             await ctx.db.bump(session)
             out = AliasOut(**alias_out(row))
         await ctx.wait_for_routers()
         return out
+
+    @delete("/{tenant_id:str}/{name:str}", status_code=204, responses=errors(404),
+            summary="Delete the alias (its adapters stay; the router answers 404 for the name)")
+    async def delete_alias(self, ctx: RegistryContext, request: Request, tenant_id: str = TenantId,
+                           name: str = AliasName) -> None:
+        alias = f"{tenant_id}/{name}"
+        async with ctx.db.write() as session:
+            row = await session.get(Alias, alias)
+            if row is None:
+                raise ApiError(404, f"no alias {alias}", code="alias_not_found", param="alias")
+            audit.record(session, request, "alias.delete", "alias", alias, adapter_id=row.adapter_id,
+                         previous_adapter_id=row.previous_adapter_id)
+            await session.delete(row)
+            await ctx.db.bump(session)
+        await ctx.wait_for_routers()
 
     @get("/{tenant_id:str}/{name:str}", responses=errors(404), summary="One alias")
     async def get_alias(self, ctx: RegistryContext, tenant_id: str = TenantId, name: str = AliasName) -> AliasOut:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from litestar import Controller, delete, get, post
+from litestar import Controller, Request, delete, get, patch, post
 from litestar.di import Provide
 from litestar.params import Parameter
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from registry import audit
 from registry.context import RegistryContext
 from registry.controllers.common import admin_guard, errors, get_ctx
 from registry.errors import ApiError
@@ -20,6 +21,7 @@ from registry.schemas import (
     KeyOut,
     TenantCreate,
     TenantCreated,
+    TenantLimits,
     TenantOut,
     VerifyRequest,
     VerifyResult,
@@ -60,7 +62,7 @@ class TenantController(Controller):
     tags = ["tenants"]
 
     @post("/", status_code=201, responses=errors(409), summary="Create a tenant and its first API key (shown once)")
-    async def create_tenant(self, ctx: RegistryContext, data: TenantCreate) -> TenantCreated:
+    async def create_tenant(self, ctx: RegistryContext, request: Request, data: TenantCreate) -> TenantCreated:
         try:
             async with ctx.db.write() as session:
                 if await session.get(Tenant, data.name) is not None:
@@ -69,6 +71,8 @@ class TenantController(Controller):
                 await session.flush()
                 key, api_key = new_key(data.name)
                 session.add(key)
+                audit.record(session, request, "tenant.create", "tenant", data.name, key_id=key.key_id,
+                             requests_per_s=data.requests_per_s, tokens_per_s=data.tokens_per_s)
         except IntegrityError:
             raise ApiError(409, f"tenant {data.name!r} already exists", code="tenant_exists", param="name") from None
         return TenantCreated(tenant_id=data.name, api_key=api_key, key_id=key.key_id)
@@ -83,13 +87,60 @@ class TenantController(Controller):
             for t in rows
         ]
 
+    @patch("/{tenant_id:str}", responses=errors(404), summary="Change a tenant's rate limits (null: unlimited)")
+    async def set_limits(self, ctx: RegistryContext, request: Request, data: TenantLimits,
+                         tenant_id: str = TenantId) -> TenantOut:
+        changes = {f: getattr(data, f) for f in data.model_fields_set}
+        if not changes:
+            raise ApiError(400, "send requests_per_s and/or tokens_per_s", code="validation_error")
+        async with ctx.db.write() as session:
+            t = await _tenant(session, tenant_id)
+            before = {f: getattr(t, f) for f in changes}
+            for f, v in changes.items():
+                setattr(t, f, v)
+            audit.record(session, request, "tenant.set_limits", "tenant", tenant_id, before=before, after=changes)
+            await ctx.db.bump(session)  # routers re-read the tenant's limits (auth cache) at their next poll
+            out = TenantOut(tenant_id=t.tenant_id, requests_per_s=t.requests_per_s, tokens_per_s=t.tokens_per_s,
+                            created_at=as_utc(t.created_at))
+        return out
+
     @post("/{tenant_id:str}/keys", status_code=201, responses=errors(404), summary="Create an API key (shown once)")
-    async def create_key(self, ctx: RegistryContext, tenant_id: str = TenantId) -> KeyCreated:
+    async def create_key(self, ctx: RegistryContext, request: Request, tenant_id: str = TenantId) -> KeyCreated:
         async with ctx.db.write() as session:
             await _tenant(session, tenant_id)
             key, api_key = new_key(tenant_id)
             session.add(key)
+            audit.record(session, request, "key.create", "key", key.key_id, tenant_id=tenant_id)
         return KeyCreated(key_id=key.key_id, api_key=api_key)
+
+    @post("/{tenant_id:str}/keys/rotate", status_code=201, responses=errors(404, 409),
+          summary="Rotate: issue a new key and revoke the given one (key_id query) or every live key")
+    async def rotate_keys(self, ctx: RegistryContext, request: Request, tenant_id: str = TenantId,
+                          key_id: str | None = Parameter(query="key_id", default=None, max_length=64)) -> KeyCreated:
+        async with ctx.db.write() as session:
+            await _tenant(session, tenant_id)
+            live = (await session.execute(
+                select(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None)).order_by(ApiKey.key_id)
+            )).scalars().all()
+            if key_id is not None:
+                live = [k for k in live if k.key_id == key_id]
+                if not live:
+                    old = await session.get(ApiKey, key_id)
+                    if old is None or old.tenant_id != tenant_id:
+                        raise ApiError(404, f"tenant {tenant_id!r} has no key {key_id!r}", code="key_not_found",
+                                       param="key_id")
+                    raise ApiError(409, f"key {key_id} is already revoked: nothing to rotate "
+                                   "(create a new key instead)", code="key_revoked", param="key_id")
+            now = utcnow()
+            for k in live:
+                k.revoked_at = now
+            key, api_key = new_key(tenant_id)
+            session.add(key)
+            revoked = [k.key_id for k in live]
+            audit.record(session, request, "key.rotate", "key", key.key_id, tenant_id=tenant_id, revoked=revoked)
+            if revoked:
+                await ctx.db.bump(session)  # routers drop revoked keys from their auth caches at their next poll
+        return KeyCreated(key_id=key.key_id, api_key=api_key, revoked_key_ids=revoked)
 
     @get("/{tenant_id:str}/keys", responses=errors(404), summary="List a tenant's keys (prefixes only)")
     async def list_keys(self, ctx: RegistryContext, tenant_id: str = TenantId) -> list[KeyOut]:
@@ -105,7 +156,8 @@ class TenantController(Controller):
 
     @delete("/{tenant_id:str}/keys/{key_id:str}", status_code=204, responses=errors(404), summary="Revoke a key")
     async def revoke_key(
-        self, ctx: RegistryContext, key_id: str = Parameter(max_length=64), tenant_id: str = TenantId
+        self, ctx: RegistryContext, request: Request, key_id: str = Parameter(max_length=64),
+        tenant_id: str = TenantId,
     ) -> None:
         async with ctx.db.write() as session:
             key = await session.get(ApiKey, key_id)
@@ -113,6 +165,7 @@ class TenantController(Controller):
                 raise ApiError(404, f"tenant {tenant_id!r} has no key {key_id!r}", code="key_not_found")
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
+                audit.record(session, request, "key.revoke", "key", key_id, tenant_id=tenant_id)
                 await ctx.db.bump(session)  # routers drop the key from their auth caches at their next poll
 
 

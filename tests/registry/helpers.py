@@ -17,8 +17,8 @@ ADMIN_TOKEN = "test-admin-token-0123456789"
 BASE_NAME = "lorafarm-dev-tiny"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
-REGISTRY_TABLES = ["registry_state", "replicas", "adapter_stats", "placements", "aliases", "adapters", "api_keys",
-                   "tenants", "workers", "critical_models", "alembic_version"]
+REGISTRY_TABLES = ["audit_log", "registry_state", "replicas", "adapter_stats", "placements", "aliases", "adapters",
+                   "api_keys", "tenants", "workers", "critical_models", "alembic_version"]
 
 
 async def reset_postgres(url: str) -> None:
@@ -53,9 +53,9 @@ def unique(prefix: str = "t") -> str:
 
 
 def make_adapter(dest: Path, base_config: dict, *, rank: int = 8, modules=("q_proj", "v_proj"), seed: int = 0,
-                 alpha: float | None = None) -> Path:
+                 alpha: float | None = None, trained_on: str | None = None) -> Path:
     """A small valid PEFT LoRA folder for `base_config` (random weights): for ranks the canaries
-    lack and for many distinct adapters."""
+    lack and for many distinct adapters. `trained_on`: a base hash to record beside it."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -77,13 +77,16 @@ def make_adapter(dest: Path, base_config: dict, *, rank: int = 8, modules=("q_pr
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "target_modules": list(modules),
         "bias": "none", "task_type": "CAUSAL_LM",
     }))
+    if trained_on:
+        (dest / "base_model_hash.txt").write_text(trained_on + "\n")
     return dest
 
 
 def upload_files(peft_dir: Path) -> list:
+    """The multipart files of an upload: the adapter and the base hash recorded beside it."""
     return [
         ("files", (name, (peft_dir / name).read_bytes(), "application/octet-stream"))
-        for name in ("adapter_config.json", "adapter_model.safetensors")
+        for name in ("adapter_config.json", "adapter_model.safetensors", "base_model_hash.txt")
         if (peft_dir / name).exists()
     ]
 

@@ -81,7 +81,7 @@ async def test_upload_files_tar_versions_and_download(client, canaries, tmp_path
     # The same adapter as a tar (in a folder, with a README): same content, same id, 200.
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in ("adapter_config.json", "adapter_model.safetensors", "README.md"):
+        for name in ("adapter_config.json", "adapter_model.safetensors", "base_model_hash.txt", "README.md"):
             tar.add(canaries / "c0010" / name, arcname=f"run-7/{name}")
     etag = (await client.get("/internal/routing")).headers["etag"]
     r2 = await client.post("/internal/adapters/upload", data={"tenant_id": tenant, "alias": f"{tenant}/x:prod"},

@@ -128,8 +128,8 @@ async def test_register_then_conflict(client, stored_archive):
     assert await snapshot(client) == before
 
 
-async def test_rank_above_limit(make_settings, tenant, base_config, tmp_path, stored_archive):
-    rank64 = make_adapter(tmp_path / "r64", base_config, rank=64, modules=("q_proj",))
+async def test_rank_above_limit(make_settings, tenant, base_config, tmp_path, stored_archive, base_hash):
+    rank64 = make_adapter(tmp_path / "r64", base_config, rank=64, modules=("q_proj",), trained_on=base_hash)
     async with app_client(make_settings(rank_limit=16)) as c:
         before = await snapshot(c)
         r = await c.post("/internal/adapters/upload", data={"tenant_id": tenant}, files=upload_files(rank64))
@@ -171,10 +171,10 @@ async def test_upload_bad_content(client, tenant, canaries, base_hash, dev_model
         ({"tenant_id": tenant, "base_model": "gpt-17"}, good, 422, "not served"),
         ({"tenant_id": tenant, "alias": "someone-else/x:prod"}, good, 422, "belongs to tenant"),
         ({"tenant_id": tenant, "alias": "no-slash"}, good, 422, "alias"),
-        ({"tenant_id": tenant}, [good[0]], 422, "adapter_model.safetensors"),
-        ({"tenant_id": tenant}, [good[0], ("files", ("adapter_model.safetensors", b"not safetensors", "x/y"))], 422,
-         "invalid adapter"),
-        ({"tenant_id": tenant}, [("files", ("adapter_config.json", b'{"peft_type": "PROMPT"}', "x/y")), good[1]], 422,
+        ({"tenant_id": tenant}, [good[0], good[2]], 422, "adapter_model.safetensors"),
+        ({"tenant_id": tenant}, [good[0], ("files", ("adapter_model.safetensors", b"not safetensors", "x/y")), good[2]],
+         422, "invalid adapter"),
+        ({"tenant_id": tenant}, [("files", ("adapter_config.json", b'{"peft_type": "PROMPT"}', "x/y")), *good[1:]], 422,
          "LORA"),
         ({"tenant_id": tenant, "version": "zero"}, good, 400, "version"),
         ({"tenant_id": "Not A Slug"}, good, 400, "tenant_id"),
@@ -190,7 +190,7 @@ async def test_upload_bad_content(client, tenant, canaries, base_hash, dev_model
     assert await snapshot(client) == before
 
 
-async def test_upload_tar_with_traversal_names(client, tenant, canaries):
+async def test_upload_tar_with_traversal_names(client, tenant, canaries, base_hash):
     """Member names are reduced to their last part and only the two adapter files are taken:
     `../../` or absolute names cannot write outside the upload folder."""
     buf = io.BytesIO()
@@ -204,7 +204,7 @@ async def test_upload_tar_with_traversal_names(client, tenant, canaries):
         link = tarfile.TarInfo("evil-link")
         link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tar.addfile(link)
-    r = await client.post("/internal/adapters/upload", data={"tenant_id": tenant},
+    r = await client.post("/internal/adapters/upload", data={"tenant_id": tenant, "base_model_hash": base_hash},
                           files=[("archive", ("adapter.tar", buf.getvalue(), "application/x-tar"))])
     assert r.status_code == 201, r.text
     assert r.json()["rank"] == 8

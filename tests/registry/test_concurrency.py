@@ -11,13 +11,13 @@ from lorafarm.registry_client import RegistryClient, RegistryError
 from tests.registry.helpers import ADMIN_TOKEN, live_server, make_adapter, unique
 
 
-async def test_concurrent_uploads_and_alias_flips(make_settings, base_config, tmp_path):
+async def test_concurrent_uploads_and_alias_flips(make_settings, base_config, base_hash, tmp_path):
     from archives.store import open_store
 
     settings = make_settings()
     tenant = unique("conc")
     alias = f"{tenant}/live:prod"
-    dirs = [make_adapter(tmp_path / f"a{i}", base_config, rank=4, seed=100 + i) for i in range(8)]
+    dirs = [make_adapter(tmp_path / f"a{i}", base_config, rank=4, seed=100 + i, trained_on=base_hash) for i in range(8)]
     with live_server(settings) as url:
         async with RegistryClient(url, ADMIN_TOKEN) as reg:
             await reg.create_tenant(tenant)

@@ -217,7 +217,8 @@ class FakeReplica:
                 tier = "disk"
             if tier:
                 rep._to_gpu(model)
-            rep.requests.append({"model": model, "tier": tier, "at": time.monotonic(), "stream": body.get("stream")})
+            rep.requests.append({"model": model, "tier": tier, "at": time.monotonic(), "stream": body.get("stream"),
+                                 "echo": request.headers.get("x-lorafarm-model-name")})
             max_tokens = int(body.get("max_tokens") or 16)
             headers = {"x-replica": rep.replica_id}
             if tier:

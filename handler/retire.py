@@ -1,0 +1,87 @@
+"""Retiring old adapter versions on a replica.
+
+Versions are immutable ids; a deploy moves an alias to a new id. The version the alias left keeps
+its device slot and RAM until LRU pressure evicts it, which on a busy replica is slot space taken
+from live versions. So the replica watches the registry's routing table and, for every adapter it
+holds that
+
+- was the target of an alias in the previous table and is the target of none now (retired by a
+  deploy, a rollback or an alias delete),
+- is disabled, or
+- is gone from the table (deleted: its disk copy is purged too),
+
+calls `cache.unload(id)`, which lets running requests on it finish (new ones wait), then frees
+its slot and RAM. A request for a retired id by name still works: it loads the adapter again.
+Adapters called only by id (never aliased) are left to LRU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger("lorafarm.replica.retire")
+
+
+def pointed(table: dict) -> set[str]:
+    """Adapter ids some alias points to."""
+    return {str(a.get("adapter_id")) for a in (table.get("aliases") or {}).values() if a.get("adapter_id")}
+
+
+def to_retire(previous: dict | None, table: dict) -> tuple[set[str], set[str]]:
+    """(ids to unload, ids to unload and purge from disk) going from `previous` to `table`."""
+    adapters = table.get("adapters") or {}
+    unload = {a for a, info in adapters.items() if str(info.get("status") or "active") == "disabled"}
+    purge: set[str] = set()
+    if previous is not None:
+        unload |= pointed(previous) - pointed(table)
+        purge = set(previous.get("adapters") or {}) - set(adapters)
+    return unload - purge, purge
+
+
+class Retirer:
+    """Polls the routing table (ETag: a 304 costs nothing) and unloads retired versions."""
+
+    def __init__(self, registry, cache, interval_s: float = 2.0):
+        self.registry, self.cache, self.interval_s = registry, cache, interval_s
+        self.previous: dict | None = None
+        self.etag: str | None = None
+        self.running: dict[str, asyncio.Task] = {}
+        self.retired = 0  # unloads done (for tests and metrics)
+
+    async def step(self) -> None:
+        table, self.etag = await self.registry.routing_table(self.etag)
+        if table is None:
+            return
+        unload, purge = to_retire(self.previous, table)
+        self.previous = table
+        for aid in sorted(unload | purge):
+            if self.cache.is_local(aid) and aid not in self.running:
+                self.running[aid] = asyncio.create_task(self._unload(aid, aid in purge), name=f"retire-{aid}")
+
+    async def _unload(self, aid: str, purge: bool) -> None:
+        try:
+            removed = await self.cache.unload(aid, purge_disk=purge)
+            self.retired += 1
+            log.info("retired %s (%s): %s", aid, "deleted" if purge else "no alias points to it / disabled",
+                     removed)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("retiring %s failed: %s", aid, e)
+        finally:
+            self.running.pop(aid, None)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the registry loop logs registry trouble; this one stays quiet
+                log.debug("routing table not read: %s", e)
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        for t in list(self.running.values()):
+            t.cancel()

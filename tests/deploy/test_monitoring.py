@@ -1,0 +1,57 @@
+"""deploy/monitoring: the Grafana dashboard validates against its JSON schema and lays out without
+overlaps; `promtool check rules` accepts the alert rules; every alert the issue names is there.
+(That the queried metrics exist on a running farm is tests/e2e/test_platform.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.deploy.monitoring import DASHBOARD, RULES, SCHEMA, queried_metrics
+
+
+def test_dashboard_schema_and_layout():
+    from jsonschema import Draft202012Validator
+
+    dash = json.loads(DASHBOARD.read_text())
+    validator = Draft202012Validator(json.loads(SCHEMA.read_text()))
+    errors = sorted(validator.iter_errors(dash), key=lambda e: list(e.path))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    cells = set()
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not (cells & mine), f"panel {p['title']!r} overlaps another"
+        cells |= mine
+    # the schema itself rejects a broken panel (it can fail)
+    broken = {**dash, "panels": [{**dash["panels"][1], "gridPos": {"x": 30, "y": 0, "w": 4, "h": 4}}]}
+    assert list(validator.iter_errors(broken))
+
+
+def test_rules_name_every_alert_the_fleet_needs():
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
+    assert set(alerts) == {"LorafarmTenantTTFTOverTarget", "LorafarmAdapterEvictionsHigh", "LorafarmDeviceHitRateLow",
+                           "LorafarmReplicaDown", "LorafarmRegistryUnreachable"}
+    assert "0.95" in alerts["LorafarmDeviceHitRateLow"]["expr"]
+    assert all(r["annotations"]["summary"] and r["labels"]["severity"] for r in alerts.values())
+    assert {"vllm:time_to_first_token_seconds_bucket", "lorafarm_router_tenant_tokens_total",
+            "lorafarm_router_price_per_replica_hour"} <= queried_metrics()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool not installed (Debian package prometheus; .ci/run installs it)")
+def test_promtool_check_rules(tmp_path):
+    out = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+    bad = tmp_path / "bad.rules.yaml"
+    bad.write_text(RULES.read_text().replace("== 1", "== ", 1))  # a broken expression must fail
+    assert subprocess.run(["promtool", "check", "rules", str(bad)], capture_output=True).returncode != 0

@@ -1,0 +1,68 @@
+"""Which adapter versions a replica retires when the routing table changes (handler/retire.py), and
+that the Retirer unloads only what it holds, once per id. The unload's drain itself (running
+requests finish first) is the cache's, tested in test_cache.py; the whole path runs in
+tests/e2e/test_platform.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from handler.retire import Retirer, to_retire
+
+
+def table(aliases: dict[str, str], adapters: dict[str, str]) -> dict:
+    return {"aliases": {a: {"adapter_id": i, "tenant_id": "t"} for a, i in aliases.items()},
+            "adapters": {i: {"tenant_id": "t", "status": st} for i, st in adapters.items()}}
+
+
+def test_to_retire():
+    t0 = table({"t/a:prod": "v1", "t/b:prod": "b1"}, {"v1": "active", "v2": "active", "b1": "active", "x": "active"})
+    # first table: nothing was aliased before, only disabled ones go
+    assert to_retire(None, t0) == (set(), set())
+    # deploy a -> v2: v1 retired; b unchanged; x never aliased stays (LRU's business)
+    t1 = table({"t/a:prod": "v2", "t/b:prod": "b1"}, {"v1": "active", "v2": "active", "b1": "active", "x": "active"})
+    assert to_retire(t0, t1) == ({"v1"}, set())
+    # alias b deleted and b1 deleted from the registry: purge; x disabled: unload
+    t2 = table({"t/a:prod": "v2"}, {"v1": "active", "v2": "active", "x": "disabled"})
+    assert to_retire(t1, t2) == ({"x"}, {"b1"})
+    # two aliases on one id: moving one keeps the id
+    t3 = table({"t/a:prod": "v2", "t/a:canary": "v2"}, {"v2": "active"})
+    t4 = table({"t/a:prod": "v3", "t/a:canary": "v2"}, {"v2": "active", "v3": "active"})
+    assert to_retire(t3, t4) == (set(), set())
+
+
+class Cache:
+    def __init__(self, held):
+        self.held, self.unloaded = set(held), []
+
+    def is_local(self, aid):
+        return aid in self.held
+
+    async def unload(self, aid, purge_disk=False):
+        await asyncio.sleep(0.01)
+        self.held.discard(aid)
+        self.unloaded.append((aid, purge_disk))
+        return {"removed": ["gpu"]}
+
+
+class Registry:
+    def __init__(self, tables):
+        self.tables = list(tables)
+
+    async def routing_table(self, etag):
+        if not self.tables:
+            return None, etag  # 304
+        return self.tables.pop(0), f"v{len(self.tables)}"
+
+
+async def test_retirer_unloads_held_versions_once():
+    t0 = table({"t/a:prod": "v1"}, {"v1": "active", "v0": "active"})
+    t1 = table({"t/a:prod": "v2"}, {"v1": "active", "v2": "active"})  # v0 deleted, v1 retired
+    cache = Cache({"v0", "v1", "v2"})
+    r = Retirer(Registry([t0, t1]), cache)
+    await r.step()
+    await r.step()
+    await r.step()  # 304: nothing new
+    await asyncio.gather(*r.running.values())
+    assert sorted(cache.unloaded) == [("v0", True), ("v1", False)] and r.retired == 2
+    assert cache.held == {"v2"}
