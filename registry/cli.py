@@ -185,14 +185,9 @@ def _keys_revoke(args) -> int:
     return 0
 
 
-def _adapters_disable(args) -> int:
-    out = _call(args, lambda reg: reg.disable_adapter(args.adapter_id))
-    print(f"{out['adapter_id']}: {out['status']}")
-    return 0
-
-
-def _adapters_enable(args) -> int:
-    out = _call(args, lambda reg: reg.enable_adapter(args.adapter_id))
+def _adapters_status(args) -> int:  # disable | enable
+    change = {"disable": "disable_adapter", "enable": "enable_adapter"}[args.action]
+    out = _call(args, lambda reg: getattr(reg, change)(args.adapter_id))
     print(f"{out['adapter_id']}: {out['status']}")
     return 0
 
@@ -314,6 +309,16 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--farm", default=None, help="farm.json written by `lorafarm up` (default ./var/farm.json)")
 
 
+def _command(group, name: str, help: str, func, *positionals: str) -> argparse.ArgumentParser:
+    """One admin command: its positional arguments, the connection flags, its handler."""
+    p = group.add_parser(name, help=help)
+    for arg in positionals:
+        p.add_argument(arg)
+    _connection_flags(p)
+    p.set_defaults(func=func)
+    return p
+
+
 def _group(sub, name: str, help: str):
     p = sub.add_parser(name, help=help)
     inner = p.add_subparsers(dest="action", metavar="ACTION", parser_class=type(p))
@@ -361,24 +366,12 @@ def register(sub) -> None:
     p.set_defaults(func=_tenants_set_limits)
 
     keys = _group(sub, "keys", "create, list, rotate and revoke tenants' API keys")
-    p = keys.add_parser("create", help="a new API key for TENANT (printed once)")
-    p.add_argument("tenant")
-    _connection_flags(p)
-    p.set_defaults(func=_keys_create)
-    p = keys.add_parser("list", help="TENANT's keys (prefixes only; JSON)")
-    p.add_argument("tenant")
-    _connection_flags(p)
-    p.set_defaults(func=_keys_list)
-    p = keys.add_parser("rotate", help="a new key for TENANT (printed once); revokes KEY_ID, or every live key")
-    p.add_argument("tenant")
+    _command(keys, "create", "a new API key for TENANT (printed once)", _keys_create, "tenant")
+    _command(keys, "list", "TENANT's keys (prefixes only; JSON)", _keys_list, "tenant")
+    p = _command(keys, "rotate", "a new key for TENANT (printed once); revokes KEY_ID, or every live key",
+                 _keys_rotate, "tenant")
     p.add_argument("key_id", nargs="?", default=None)
-    _connection_flags(p)
-    p.set_defaults(func=_keys_rotate)
-    p = keys.add_parser("revoke", help="revoke KEY_ID of TENANT")
-    p.add_argument("tenant")
-    p.add_argument("key_id")
-    _connection_flags(p)
-    p.set_defaults(func=_keys_revoke)
+    _command(keys, "revoke", "revoke KEY_ID of TENANT", _keys_revoke, "tenant", "key_id")
 
     p = sub.add_parser("audit", help="who changed which tenant, key, adapter or alias, and when (newest first)")
     p.add_argument("--target", default=None, help="one tenant, key id, adapter id or alias")
@@ -411,15 +404,11 @@ def register(sub) -> None:
     p.add_argument("--tenant", default=None)
     _connection_flags(p)
     p.set_defaults(func=_adapters_list)
-    for action, func, text in (
-        ("disable", _adapters_disable, "stop serving ADAPTER_ID (404 at the router; replicas unload it when idle)"),
-        ("enable", _adapters_enable, "serve a disabled ADAPTER_ID again"),
-        ("delete", _adapters_delete, "delete ADAPTER_ID and its archive (refused while an alias points to it)"),
-    ):
-        p = adapters.add_parser(action, help=text)
-        p.add_argument("adapter_id")
-        _connection_flags(p)
-        p.set_defaults(func=func)
+    _command(adapters, "disable", "stop serving ADAPTER_ID (404 at the router; replicas unload it when idle)",
+             _adapters_status, "adapter_id")
+    _command(adapters, "enable", "serve a disabled ADAPTER_ID again", _adapters_status, "adapter_id")
+    _command(adapters, "delete", "delete ADAPTER_ID and its archive (refused while an alias points to it)",
+             _adapters_delete, "adapter_id")
 
     aliases = _group(sub, "aliases", "deploy and roll back aliases")
     p = aliases.add_parser("set", help="deploy: point ALIAS at ADAPTER_ID")
@@ -431,10 +420,7 @@ def register(sub) -> None:
     p.add_argument("alias")
     _connection_flags(p)
     p.set_defaults(func=_aliases_rollback)
-    p = aliases.add_parser("delete", help="delete ALIAS (its adapters stay)")
-    p.add_argument("alias")
-    _connection_flags(p)
-    p.set_defaults(func=_aliases_delete)
+    _command(aliases, "delete", "delete ALIAS (its adapters stay)", _aliases_delete, "alias")
     p = aliases.add_parser("get", help="show ALIAS (JSON)")
     p.add_argument("alias")
     _connection_flags(p)

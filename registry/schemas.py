@@ -70,7 +70,10 @@ class TenantOut(BaseModel):
 class KeyCreated(BaseModel):
     key_id: str
     api_key: str = Field(description="shown only in this answer")
-    revoked_key_ids: list[str] = Field(default_factory=list, description="keys a rotation revoked")
+
+
+class KeyRotated(KeyCreated):
+    revoked_key_ids: list[str] = Field(description="the keys this rotation revoked")
 
 
 class KeyOut(BaseModel):

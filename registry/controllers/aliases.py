@@ -58,6 +58,13 @@ async def apply_alias(ctx: RegistryContext, session, alias: str, adapter_id: str
     return row
 
 
+async def _alias_or_404(session, alias: str) -> Alias:
+    row = await session.get(Alias, alias)
+    if row is None:
+        raise ApiError(404, f"no alias {alias}", code="alias_not_found", param="alias")
+    return row
+
+
 class AliasController(Controller):
     path = "/internal/aliases"
     guards = [admin_guard]
@@ -89,9 +96,7 @@ class AliasController(Controller):
                        name: str = AliasName) -> AliasOut:
         alias = f"{tenant_id}/{name}"
         async with ctx.db.write() as session:
-            row = await session.get(Alias, alias)
-            if row is None:
-                raise ApiError(404, f"no alias {alias}", code="alias_not_found", param="alias")
+            row = await _alias_or_404(session, alias)
             if not row.previous_adapter_id:
                 raise ApiError(409, f"alias {alias} has no previous adapter to roll back to", code="no_previous")
             row.adapter_id, row.previous_adapter_id = row.previous_adapter_id, row.adapter_id
@@ -109,9 +114,7 @@ class AliasController(Controller):
                            name: str = AliasName) -> None:
         alias = f"{tenant_id}/{name}"
         async with ctx.db.write() as session:
-            row = await session.get(Alias, alias)
-            if row is None:
-                raise ApiError(404, f"no alias {alias}", code="alias_not_found", param="alias")
+            row = await _alias_or_404(session, alias)
             audit.record(session, request, "alias.delete", "alias", alias, adapter_id=row.adapter_id,
                          previous_adapter_id=row.previous_adapter_id)
             await session.delete(row)
@@ -122,9 +125,7 @@ class AliasController(Controller):
     async def get_alias(self, ctx: RegistryContext, tenant_id: str = TenantId, name: str = AliasName) -> AliasOut:
         alias = f"{tenant_id}/{name}"
         async with ctx.db.read() as session:
-            row = await session.get(Alias, alias)
-        if row is None:
-            raise ApiError(404, f"no alias {alias}", code="alias_not_found", param="alias")
+            row = await _alias_or_404(session, alias)
         return AliasOut(**alias_out(row))
 
     @get("/", responses=errors(), summary="List aliases (optionally of one tenant)")

@@ -21,11 +21,16 @@ def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 
 
 def reject_unknown_query(request, *allowed: str) -> None:
-    """400 for query parameters the endpoint does not define (a typo must not silently widen a list)."""
+    """400 for query parameters the endpoint does not define (a typo must not silently widen a list),
+    and for one given twice (which one would count?)."""
     unknown = sorted(set(request.query_params) - set(allowed))
     if unknown:
         raise ApiError(400, f"unknown query parameter(s): {', '.join(repr(u) for u in unknown)}",
                        code="validation_error", param=unknown[0])
+    repeated = sorted(k for k in set(request.query_params) if len(request.query_params.getall(k)) > 1)
+    if repeated:
+        raise ApiError(400, f"query parameter {repeated[0]!r} given more than once", code="validation_error",
+                       param=repeated[0])
 
 
 def get_ctx(state: State) -> RegistryContext:  # dependency "ctx"

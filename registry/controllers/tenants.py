@@ -18,6 +18,7 @@ from registry.errors import ApiError
 from registry.schemas import (
     TENANT_ID_PATTERN,
     KeyCreated,
+    KeyRotated,
     KeyOut,
     TenantCreate,
     TenantCreated,
@@ -116,7 +117,7 @@ class TenantController(Controller):
     @post("/{tenant_id:str}/keys/rotate", status_code=201, responses=errors(404, 409),
           summary="Rotate: issue a new key and revoke the given one (key_id query) or every live key")
     async def rotate_keys(self, ctx: RegistryContext, request: Request, tenant_id: str = TenantId,
-                          key_id: str | None = Parameter(query="key_id", default=None, max_length=64)) -> KeyCreated:
+                          key_id: str | None = Parameter(query="key_id", default=None, max_length=64)) -> KeyRotated:
         async with ctx.db.write() as session:
             await _tenant(session, tenant_id)
             live = (await session.execute(
@@ -140,7 +141,7 @@ class TenantController(Controller):
             audit.record(session, request, "key.rotate", "key", key.key_id, tenant_id=tenant_id, revoked=revoked)
             if revoked:
                 await ctx.db.bump(session)  # routers drop revoked keys from their auth caches at their next poll
-        return KeyCreated(key_id=key.key_id, api_key=api_key, revoked_key_ids=revoked)
+        return KeyRotated(key_id=key.key_id, api_key=api_key, revoked_key_ids=revoked)
 
     @get("/{tenant_id:str}/keys", responses=errors(404), summary="List a tenant's keys (prefixes only)")
     async def list_keys(self, ctx: RegistryContext, tenant_id: str = TenantId) -> list[KeyOut]:

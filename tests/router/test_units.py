@@ -208,8 +208,8 @@ def test_catalog_union_dedup_and_aliases_with_parent():
     acme = cat.models_for("acme")
     assert acme["object"] == "list"
     ids = [m["id"] for m in acme["data"]]
-    assert ids == ["dev-a", "dev-b", "acme/support:prod"]  # union de-duplicated, then own aliases
-    alias = acme["data"][-1]
+    assert ids == ["dev-a", "dev-b", "acme/support:prod", a]  # union de-duplicated, own aliases, own ids
+    alias = acme["data"][2]
     assert alias["parent"] == "dev-a" and alias["root"] == a and alias["owned_by"] == "acme"
     assert "beta/sales:prod" not in ids
     assert [m["id"] for m in cat.models_for("nobody")["data"]] == ["dev-a", "dev-b"]
@@ -219,7 +219,7 @@ def test_catalog_follows_the_view():
     reg, view, cat, a, b = _catalog()
     reg.remove_replica("r2")
     view.apply_table(reg.table())
-    assert [m["id"] for m in cat.models_for("acme")["data"]] == ["dev-a", "acme/support:prod"]
+    assert [m["id"] for m in cat.models_for("acme")["data"]] == ["dev-a", "acme/support:prod", a]
 
 
 def test_resolution_is_tenant_scoped():
