@@ -168,3 +168,42 @@ def _extra(farm, name):
     if not dest.exists():
         shutil.copytree(CACHE / "canaries-tiny-s0" / name, dest)
     return dest
+
+
+def test_slow_replica_gets_less_traffic(rfarm, rtenant):
+    """A replica that runs a quarter of the time (SIGSTOP/SIGCONT duty cycle) is not frozen (it
+    answers its polls) but slow: its requests stay in flight longer, so least-tokens routing sends
+    most base-model requests to the other one."""
+    import concurrent.futures as cf
+    import threading
+
+    slow = 1
+    stop = threading.Event()
+
+    def duty_cycle():
+        while not stop.is_set():
+            signal_replica(rfarm, slow, signal.SIGSTOP)
+            time.sleep(0.3)
+            signal_replica(rfarm, slow, signal.SIGCONT)
+            time.sleep(0.1)
+
+    c = client(rfarm, rtenant["api_key"], timeout=SAFETY)
+
+    def one(_):
+        raw = c.chat.completions.with_raw_response.create(model="lorafarm-dev-tiny", messages=MSG, max_tokens=16,
+                                                          extra_body={"ignore_eos": True})
+        return raw.headers["x-replica-id"]
+
+    cycler = threading.Thread(target=duty_cycle, daemon=True)
+    cycler.start()
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            served = list(pool.map(one, range(40)))
+    finally:
+        stop.set()
+        cycler.join()
+        signal_replica(rfarm, slow, signal.SIGCONT)
+    counts = {r["replica_id"]: served.count(r["replica_id"]) for r in rfarm["replicas"]}
+    print("slow replica:", counts)
+    assert counts[rfarm["replicas"][slow]["replica_id"]] < counts[rfarm["replicas"][1 - slow]["replica_id"]]
+    wait_for(lambda: _all_healthy(rfarm), 20, what="replica back in routing")
