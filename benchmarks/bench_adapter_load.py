@@ -126,7 +126,7 @@ def setup(tmp_path_factory):
                          ram_bytes=1 << 30, disk_bytes=1 << 31, rank_limit=64, dtype=torch.bfloat16)
     loop.run_until_complete(cache.start())
     yield {"loop": loop, "cache": cache, "aid": aid, "tensors": tensors, "root": root,
-           "weights_file": peft / "adapter_model.safetensors", "lar": store_dir / key}
+           "weights_file": peft / "adapter_model.safetensors", "lar": store_dir / key, "pub": pub}
     loop.run_until_complete(cache.close())
     loop.close()
 
@@ -216,9 +216,106 @@ def test_store_to_slot(benchmark, load_report, setup):
     _bench_tier(benchmark, load_report, setup, "remote")
 
 
+def test_fetch_verify_archive(benchmark, load_report, setup):
+    """The store floor: fetch the archive (a plain copy out of the local store) and verify it
+    (signature, checksums, content, base hash, rank), nothing else."""
+    from archives.keys import load_public_keys
+    from archives.verify import verify_archive
+
+    src: Path = setup["lar"]
+    dst = setup["root"] / "fetched.lar"
+    keys = load_public_keys([str(setup["pub"])])
+
+    def fetch_verify():
+        shutil.copyfile(src, dst)
+        verify_archive(dst, keys, base_model_hash=BASE_HASH, max_rank=64)
+
+    benchmark.extra_info.update({"tier": "fetch+verify floor", "bytes": src.stat().st_size})
+    benchmark.pedantic(fetch_verify, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    _report(load_report, benchmark, "fetch+verify", src.stat().st_size)
+
+
 def test_file_copy_archive(benchmark, load_report, setup):
     src: Path = setup["lar"]
     dst = setup["root"] / "copy.lar"
     benchmark.extra_info.update({"tier": "archive copy floor", "bytes": src.stat().st_size})
     benchmark.pedantic(shutil.copyfile, args=(src, dst), rounds=ROUNDS * 2, iterations=1, warmup_rounds=1)
     _report(load_report, benchmark, "archive copy", src.stat().st_size)
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def test_tpot_while_cold_adapters_load(benchmark, setup, load_report):
+    """TPOT of 16 running requests (the small dev model's engine, decoding) with and without 8 cold
+    80 MB adapter loads (store -> slot through the cache, in the same process, on the same cores).
+    The figure is the ratio of the two p99s, both from this one run (timed once by pytest-benchmark)."""
+    import os
+    import threading
+    import time
+
+    from handler.engine import Engine
+    from handler.sampling import SamplingParams
+
+    cache_dir = Path(os.environ.get("LORAFARM_CACHE_DIR", ".cache/lorafarm")) / "devmodel-small-s0"
+    if not cache_dir.exists():
+        pytest.skip("dev model not generated (run the test suite once)")
+    eng = Engine(cache_dir, rank_pools={8: 1}, max_batch=16)
+    eng.start()
+    loop, cache, aid = setup["loop"], setup["cache"], setup["aid"]
+
+    def run_phase(with_loads: bool) -> list[float]:
+        stamps: dict[str, list[float]] = {f"r{i}": [] for i in range(16)}
+        done = threading.Event()
+        left = [16]
+        lock = threading.Lock()
+
+        def on_event(ev):
+            stamps[ev.request_id].append(time.perf_counter())
+            if ev.finished:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+
+        for i in range(16):
+            eng.add_request(f"r{i}", [5 + i, 9, 11, 13], SamplingParams(max_tokens=96, temperature=0.0,
+                                                                         ignore_eos=True), None, on_event)
+        t_start = time.perf_counter()
+        window = [t_start, None]
+        if with_loads:
+            time.sleep(0.3)  # every request is decoding
+            window[0] = time.perf_counter()
+            for _ in range(8):
+                _to_tier(setup, "remote")
+                _acquire(setup, "remote")
+            window[1] = time.perf_counter()
+        done.wait(300)
+        gaps = []
+        for ts in stamps.values():
+            for a, b in zip(ts[1:], ts[2:]):  # decode intervals (the first event is after prefill)
+                if b >= window[0] and (window[1] is None or a <= window[1]):
+                    gaps.append(b - a)
+        return gaps
+
+    out: dict[str, list[float]] = {}
+
+    def both():
+        out["base"] = run_phase(False)
+        out["loaded"] = run_phase(True)
+
+    try:
+        benchmark.pedantic(both, rounds=1, iterations=1)
+    finally:
+        eng.stop()
+    base, loaded = out["base"], out["loaded"]
+    ratio = _p99(loaded) / _p99(base)
+    print(f"\nTPOT p99 without loads {_p99(base) * 1e3:.1f} ms, while 8 cold loads "
+          f"{_p99(loaded) * 1e3:.1f} ms: {ratio:.2f}x ({len(loaded)} intervals)")
+    benchmark.extra_info.update({"tpot_p99_base_ms": _p99(base) * 1e3, "tpot_p99_loads_ms": _p99(loaded) * 1e3,
+                                 "tpot_p99_ratio": ratio, "intervals": len(loaded)})
+    if load_report is not None:
+        load_report.note("adapter_load", "tpot_p99_ratio", round(ratio, 3))
+    assert base and loaded

@@ -169,4 +169,37 @@ for name, fn in (("encoder", lambda: enc.embed_ids(enc.tokenize(texts))), ("st",
     for _ in range(50): fn()
     torch.cuda.synchronize(); print(f"embeddings on cuda, {name}: {50 * 32 / (time.perf_counter() - t0):.0f} inputs/s at batch 32")
 EOF
+# issue 13: adapter loads on cuda. bench_adapter_load's StackEngine is on CPU; the CUDA form is the
+# engine's mount (pinned slot image, non-blocking copy on a side stream) against a pinned H2D copy
+python - <<'EOF'
+import time, torch
+from benchmarks.bench_adapter_load import BASE_CONFIG, MODULES, RANK, ALPHA, VALUES
+from handler.cache import module_shapes
+from handler.lora import ModelLoRA
+from handler.model import ModelConfig
+cfg = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                  num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096)
+lora = ModelLoRA(cfg, {RANK: 1}, torch.bfloat16, torch.device("cuda"))
+shapes = module_shapes(BASE_CONFIG); w = {}
+for l in range(32):
+    for m in MODULES:
+        k, d = shapes[m]; p = f"base_model.model.model.layers.{l}.{'self_attn' if m in MODULES[:4] else 'mlp'}.{m}"
+        w[p + ".lora_A.weight"] = torch.randn(RANK, k).to(torch.bfloat16) * 0.01
+        w[p + ".lora_B.weight"] = torch.randn(d, RANK).to(torch.bfloat16) * 0.01
+img = lora.build_image(w, RANK, ALPHA, MODULES, pin_memory=True)
+s = torch.cuda.Stream()
+def mount():
+    s.wait_stream(torch.cuda.default_stream())
+    with torch.cuda.stream(s):
+        lora.write_image(1, img); e = torch.cuda.Event(); e.record(s)
+    e.synchronize()
+mount(); t0 = time.perf_counter()
+for _ in range(20): mount()
+ram = (time.perf_counter() - t0) / 20
+src = torch.empty(VALUES, dtype=torch.bfloat16).pin_memory(); dst = torch.empty(VALUES, dtype=torch.bfloat16, device="cuda")
+dst.copy_(src, non_blocking=True); torch.cuda.synchronize(); t0 = time.perf_counter()
+for _ in range(20): dst.copy_(src, non_blocking=True)
+torch.cuda.synchronize(); h2d = (time.perf_counter() - t0) / 20
+print(f"cuda RAM -> slot {ram * 1e3:.2f} ms, pinned H2D copy {h2d * 1e3:.2f} ms: RAM -> slot: {ram / h2d:.2f}x pinned H2D")
+EOF
 echo "gpu_check: done; results in var/bench/cuda-*.json and docs/benchmarks.md"
