@@ -202,4 +202,6 @@ for _ in range(20): dst.copy_(src, non_blocking=True)
 torch.cuda.synchronize(); h2d = (time.perf_counter() - t0) / 20
 print(f"cuda RAM -> slot {ram * 1e3:.2f} ms, pinned H2D copy {h2d * 1e3:.2f} ms: RAM -> slot: {ram / h2d:.2f}x pinned H2D")
 EOF
+# issue 16b: `lorafarm up --base` on a sharded bf16 checkpoint, replicas on cuda (bf16 by default there)
+python -m pytest tests/e2e/test_real_base.py -q -p no:randomly && echo "gpu_check: lorafarm up --base on cuda: ok"
 echo "gpu_check: done; results in var/bench/cuda-*.json and docs/benchmarks.md"
