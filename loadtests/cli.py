@@ -146,7 +146,7 @@ class _Session:
             raise CliError(f"the router at {url} lists no adapters for this key")
         return Target(url, key, models, replicas, bases[0] if bases else "")
 
-    def start_farm(self, slots: int):
+    def start_farm(self, slots: int, routing: str | None = None):
         """(Re)start the farm with `slots` device slots per rank pool; synthetic adapters uploaded once."""
         import asyncio
 
@@ -160,7 +160,7 @@ class _Session:
         replica_args = ["--slots", str(slots), *a.replica_arg]
         for attempt in range(3):  # a port found free can be taken by another program before we bind it
             self.farm = Farm(Path(a.state_dir), replicas=a.replicas, ports=FarmPorts.free(a.replicas),
-                             demo_adapters=0, replica_args=replica_args, router_args=ROUTING_ARGS[a.routing],
+                             demo_adapters=0, replica_args=replica_args, router_args=ROUTING_ARGS[routing or a.routing],
                              progress=not a.quiet)  # fmt: skip
             try:
                 info = self.farm.up()
@@ -189,11 +189,6 @@ class _Session:
             raise CliError(f"the router lists {len(listed)} of the {len(want)} adapters after 120 s")
         replicas = [r["url"] for r in info["replicas"]]
         return Target(info["router_url"], key, want, replicas, BASE_MODEL_NAME)
-
-    def set_routing(self, routing: str, target) -> None:
-        self.farm.restart_router(ROUTING_ARGS[routing])
-        if not set(target.models) <= set(_wait_models(target.router_url, target.api_key, len(target.models))):
-            raise CliError("the restarted router does not list the adapters after 120 s")
 
     def stop(self) -> None:
         if self.farm is not None:
@@ -289,24 +284,9 @@ def _loadtest(args: argparse.Namespace) -> int:
                 rows = _step_rows(run, rate, path, steps_dir / f"{name}-metrics", step_meta)
                 append_csv(out / "sweep.csv", rows)
                 _say_step(name, rows[0])
-        if args.ab:
-            from loadtests.report import _rows, highest_ok_rate
-
-            first = f"slots{args.slots[0]}"
-            if session.farm is None or len(args.slots) > 1:
-                target = session.start_farm(args.slots[0])
-            ab_rate = args.ab_rate or highest_ok_rate(_rows(out / "sweep.csv"), first) or min(args.rates)
-            for routing in ("affinity", "random"):
-                session.set_routing(routing, target)
-                name = f"ab-{routing}"
-                path = run_locust(target, steps_dir, name, rate=ab_rate, duration=args.duration, warmup=args.warmup,
-                                  workload=workload, progress=not args.quiet)  # fmt: skip
-                rows = _step_rows(name, ab_rate, path, steps_dir / f"{name}-metrics",
-                                  {**step_meta, "slots": args.slots[0], "routing": routing})  # fmt: skip
-                append_csv(out / "ab.csv", [rows[0]])
-                _say_step(name, rows[0])
-            session.set_routing(args.routing, target)
         if args.throughput:
+            if starts_farm and (session.farm is None or len(args.slots) > 1):
+                target = session.start_farm(args.slots[0])  # the first (roomiest) --slots value
             base = None
             points = [("base model", [target.base_model])] if target.base_model else []
             points += [(f"{k} adapter{'s' if k > 1 else ''}", target.models[:k]) for k in THROUGHPUT_DISTINCT
@@ -323,6 +303,22 @@ def _loadtest(args: argparse.Namespace) -> int:
                                                      "concurrency": args.concurrency, **t, "ratio_vs_base": ratio}])  # fmt: skip
                 print(f"lorafarm loadtest: {name}: {t['output_tokens_per_s']:.1f} output tokens/s"
                       + (f" ({ratio:.2f}x base)" if base and label != "base model" else ""), file=sys.stderr)  # fmt: skip
+        if args.ab:
+            # a fresh farm per variant at the tightest --slots (where routing decides the hit rate):
+            # the same cold start and the same seeded replay, only the router's strategy differs
+            from loadtests.report import _rows, highest_ok_rate
+
+            ab_slots = min(args.slots)
+            ab_rate = args.ab_rate or highest_ok_rate(_rows(out / "sweep.csv"), f"slots{ab_slots}") or min(args.rates)
+            for routing in ("affinity", "random"):
+                target = session.start_farm(ab_slots, routing)
+                name = f"ab-{routing}"
+                path = run_locust(target, steps_dir, name, rate=ab_rate, duration=args.duration, warmup=args.warmup,
+                                  workload=workload, progress=not args.quiet)  # fmt: skip
+                rows = _step_rows(name, ab_rate, path, steps_dir / f"{name}-metrics",
+                                  {**step_meta, "slots": ab_slots, "routing": routing})  # fmt: skip
+                append_csv(out / "ab.csv", [rows[0]])
+                _say_step(name, rows[0])
     except KeyboardInterrupt:
         interrupted = True
         print(f"lorafarm loadtest: interrupted; partial results in {out}", file=sys.stderr)
