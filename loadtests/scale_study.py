@@ -249,6 +249,10 @@ def main(argv=None) -> int:
            "`choose()` and `SlotPolicy` under the measured workload, and is the simulator's prediction.",
            "tests/fleet/test_validation.py keeps this check (factors within 0.85-1.15 for hit rate and",
            "0.67-1.5 for TTFT).", ""]
+    at_scale = {run: validation.compare_at_scale(run) for run in validation.AT_SCALE_SLOTS}
+    raw["validation_at_scale"] = {run: [{"rate": c.rate, "simulated": c.simulated, "measured": c.measured}
+                                        for c in cs] for run, cs in at_scale.items()}
+    md += [validation.section_at_scale(at_scale), ""]
     md += LIMITS.splitlines()
     out.write_text("\n".join(md) + "\n")
     (out.parent / "scale.json").write_text(json.dumps(raw, indent=1, default=str))
