@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import httpx
 from pydantic import ValidationError
 
 from lorafarm.schemas import ReplicaState
+from router.polling import PollGroup
 from router.routing import ReplicaSnapshot, ViewSnapshot
 
 log = logging.getLogger("lorafarm.router.view")
@@ -150,7 +150,7 @@ class ReplicaView:
         self.table_at: float | None = None
         self.replicas: dict[str, ReplicaEntry] = {}
         self.catalog_version = 0  # bumped whenever the set of served models may have changed
-        self._polls: dict[str, asyncio.Task] = {}
+        self._polls = PollGroup()
 
     # -- registry table ----------------------------------------------------------------------
 
@@ -208,25 +208,14 @@ class ReplicaView:
         """Poll every replica's state concurrently. `wait`: return after that many seconds even if
         some replica has not answered; its poll keeps running and no second one is started for it
         meanwhile, so one hung replica never delays the freshness of the others."""
-        tasks = []
-        for e in list(self.replicas.values()):
-            t = self._polls.get(e.replica_id)
-            if t is None or t.done():
-                t = self._polls[e.replica_id] = asyncio.create_task(self._poll_one(e))
-            tasks.append(t)
-        if tasks:
-            await asyncio.wait(tasks, timeout=wait)
-        for rid in [rid for rid, t in self._polls.items() if t.done()]:
-            del self._polls[rid]
+        await self._polls.run(self.replicas, self._poll_one, wait)
         self.catalog_version += 1
         if self.metrics:
             for e in self.replicas.values():
                 self.metrics.observe_replica(e.snapshot(self.health_failures, self.table.adapters))
 
     def cancel_polls(self) -> None:
-        for t in self._polls.values():
-            t.cancel()
-        self._polls.clear()
+        self._polls.cancel()
 
     async def _poll_one(self, e: ReplicaEntry) -> None:
         assert self.http is not None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from router.polling import PollGroup
 from router.routing import ReplicaSnapshot
 
 log = logging.getLogger("lorafarm.router.workers")
@@ -104,7 +105,7 @@ class ForeignWorkers:
         self.timeout = timeout
         self.workers: dict[str, WorkerEntry] = {}  # by replica_id (worker:<name>)
         self.version = 0  # bumped when the set of listed models may have changed
-        self._polls: dict[str, asyncio.Task] = {}
+        self._polls = PollGroup()
 
     # -- registry table ----------------------------------------------------------------------
 
@@ -134,22 +135,11 @@ class ForeignWorkers:
     # -- polling -----------------------------------------------------------------------------
 
     async def poll(self, wait: float | None = None) -> None:
-        tasks = []
-        for e in list(self.workers.values()):
-            t = self._polls.get(e.replica_id)
-            if t is None or t.done():
-                t = self._polls[e.replica_id] = asyncio.create_task(self._poll_one(e))
-            tasks.append(t)
-        if tasks:
-            await asyncio.wait(tasks, timeout=wait)
-        for rid in [rid for rid, t in self._polls.items() if t.done()]:
-            del self._polls[rid]
+        await self._polls.run(self.workers, self._poll_one, wait)
         self.version += 1
 
     def cancel(self) -> None:
-        for t in self._polls.values():
-            t.cancel()
-        self._polls.clear()
+        self._polls.cancel()
 
     async def _get(self, e: WorkerEntry, path: str):
         assert self.http is not None
