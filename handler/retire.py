@@ -47,28 +47,33 @@ class Retirer:
         self.previous: dict | None = None
         self.etag: str | None = None
         self.running: dict[str, asyncio.Task] = {}
+        self.pending: dict[str, bool] = {}  # retired ids not unloaded yet -> purge disk; retried each step
         self.retired = 0  # unloads done (for tests and metrics)
 
     async def step(self) -> None:
         table, self.etag = await self.registry.routing_table(self.etag)
-        if table is None:
-            return
-        unload, purge = to_retire(self.previous, table)
-        self.previous = table
-        for aid in sorted(unload | purge):
-            if self.cache.is_local(aid) and aid not in self.running:
-                self.running[aid] = asyncio.create_task(self._unload(aid, aid in purge), name=f"retire-{aid}")
+        if table is not None:
+            unload, purge = to_retire(self.previous, table)
+            self.previous = table
+            for aid in unload | purge:
+                self.pending[aid] = self.pending.get(aid, False) or aid in purge
+        for aid, purge in sorted(self.pending.items()):
+            if not self.cache.is_local(aid):
+                self.pending.pop(aid, None)
+            elif aid not in self.running:
+                self.running[aid] = asyncio.create_task(self._unload(aid, purge), name=f"retire-{aid}")
 
     async def _unload(self, aid: str, purge: bool) -> None:
         try:
             removed = await self.cache.unload(aid, purge_disk=purge)
             self.retired += 1
+            self.pending.pop(aid, None)
             log.info("retired %s (%s): %s", aid, "deleted" if purge else "no alias points to it / disabled",
                      removed)
         except asyncio.CancelledError:
             raise
-        except Exception as e:
-            log.warning("retiring %s failed: %s", aid, e)
+        except Exception as e:  # kept pending: the next step tries again
+            log.warning("retiring %s failed (will retry): %s", aid, e)
         finally:
             self.running.pop(aid, None)
 

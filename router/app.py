@@ -167,8 +167,11 @@ class RouterCore:
         s = self.settings
         while True:
             started = time.monotonic()
+            # while the registry is unreachable, poll plainly: a long poll to a registry that just
+            # came back would hold the answer (and /health's "degraded") until the table changes
+            wait = 0.0 if self._registry_down_logged else s.routing_long_poll
             try:
-                if await self.refresh_routing(wait=s.routing_long_poll):
+                if await self.refresh_routing(wait=wait):
                     continue
             except asyncio.CancelledError:
                 raise

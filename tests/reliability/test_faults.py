@@ -111,6 +111,11 @@ def test_registry_down_longer_than_replica_timeout_then_restarted(rfarm, rtenant
     farm = rfarm["_farm"]
     alias = sorted(rtenant["aliases"])[1]
     c = client(rfarm, rtenant["api_key"], timeout=SAFETY)
+    # the adapter must be on a replica before the registry goes (a cold lookup needs the registry),
+    # and the router must have seen where (its next state poll)
+    assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
+                                     temperature=0).choices[0].message.content == markers[alias]
+    time.sleep(2.5)
     proc = farm.procs["registry"]
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
