@@ -90,6 +90,16 @@ def _sweep_table(sweep: list[dict], run: str) -> list[str]:
     return lines
 
 
+def _save(fig, results: Path, name: str) -> str:
+    """Lay out, write results/name as PNG, close the figure; returns the name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(results / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plot_all(results: Path, sweep: list[dict], ab: list[dict]) -> list[str]:
     """Draw the PNGs into `results`; return their file names."""
     import matplotlib
@@ -116,10 +126,7 @@ def plot_all(results: Path, sweep: list[dict], ab: list[dict]) -> list[str]:
     ax.set_title("p95 time to first token by tier (x-adapter-tier)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(results / "ttft_p95_by_tier.png", dpi=110)
-    plt.close(fig)
-    names.append("ttft_p95_by_tier.png")
+    names.append(_save(fig, results, "ttft_p95_by_tier.png"))
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, run in enumerate(runs):
@@ -136,10 +143,7 @@ def plot_all(results: Path, sweep: list[dict], ab: list[dict]) -> list[str]:
     ax.set_title("adapter cache hit rates (replicas' /metrics)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(results / "hit_rate.png", dpi=110)
-    plt.close(fig)
-    names.append("hit_rate.png")
+    names.append(_save(fig, results, "hit_rate.png"))
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     curves = [(f"{r} @ {rate:g}/s", results / "steps" / f"{r}-{rate:g}-requests.csv") for r, rate in by_step]
@@ -157,10 +161,7 @@ def plot_all(results: Path, sweep: list[dict], ab: list[dict]) -> list[str]:
     ax.set_title("TTFT CDF per step")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(results / "ttft_cdf.png", dpi=110)
-    plt.close(fig)
-    names.append("ttft_cdf.png")
+    names.append(_save(fig, results, "ttft_cdf.png"))
     return names
 
 
