@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import time
 import pytest
 
 from benchmarks.bench_engine import SUITE, _small_model
+from lorafarm.dev.executables import console_script
 
 CONCURRENCY, REQUESTS, MAX_TOKENS, ROUNDS = 32, 64, 32, 2
 KV_TOKENS, CB_BLOCK = 8192, 32  # the same KV capacity for both (transformers sizes its cache to RAM otherwise)
@@ -104,7 +104,8 @@ def _kv_bytes_per_token(model) -> int:
 
 
 def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
-    if shutil.which("transformers") is None:
+    transformers_cli = console_script("transformers")
+    if transformers_cli is None:
         pytest.skip("the transformers CLI is not installed")
     from lorafarm.dev.adapters import random_prompts
 
@@ -119,7 +120,7 @@ def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
              "--disk-dir", str(tmp_path / "replica"), "--log-level", "warning"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "ours.log", "w")),
         "hf": subprocess.Popen(
-            ["transformers", "serve", str(model), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+            [transformers_cli, "serve", str(model), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
              "--cb-block-size", str(CB_BLOCK), "--cb-num-blocks", str(KV_TOKENS // CB_BLOCK),
              "--host", "127.0.0.1", "--port", str(hf_port), "--log-level", "warning"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "hf.log", "w")),

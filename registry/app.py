@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,7 +25,7 @@ from litestar.routes import HTTPRoute
 
 from registry.context import RegistryContext, ServedBase
 from registry.controllers import CONTROLLERS
-from registry.errors import EXCEPTION_HANDLERS
+from registry.errors import EXCEPTION_HANDLERS, ApiError
 from registry.openapi import RegistryJsonRenderPlugin
 from registry.schemas import Health
 from registry.settings import RegistrySettings
@@ -84,6 +85,31 @@ async def close_context(ctx: RegistryContext) -> None:
         await ctx.db.close()
 
 
+# A JSON string escape for NUL, not itself escaped (`\\u0000` is a backslash and "u0000").
+_JSON_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+async def _refuse_nul(request: Request) -> None:
+    """400 for a NUL character anywhere in the path, the query or a JSON body. No id, name or
+    filter of ours can hold one, and PostgreSQL's text type refuses it (a 5xx otherwise)."""
+    where = None
+    if "\x00" in request.scope["path"]:
+        where = "the path"
+    elif any("\x00" in k or "\x00" in v for k, v in request.query_params.multi_items()):
+        where = "the query"
+    elif request.method in ("POST", "PUT", "PATCH") and request.content_type[0] == "application/json":
+        body = await request.body()
+        if b"\x00" in body or _JSON_NUL.search(body):
+            where = "the JSON body"
+    if where:
+        raise ApiError(400, f"{where} holds a NUL character", code="validation_error")
+
+
+async def _before_request(request: Request) -> Response | None:
+    await _refuse_nul(request)
+    return _allow_header(request)
+
+
 def _allow_header(request: Request) -> Response | None:
     """Answer OPTIONS with every method of the path. Litestar 2.25's automatic OPTIONS handler
     lists only the methods registered first for a path (it keeps a stale route object)."""
@@ -137,7 +163,7 @@ def create_app(settings: RegistrySettings | None = None) -> Litestar:
         lifespan=[lifespan],
         middleware=[access_log_middleware("registry")],
         exception_handlers=EXCEPTION_HANDLERS,
-        before_request=_allow_header,
+        before_request=_before_request,
         plugins=[PydanticPlugin(validate_strict=True)],  # no bool-as-int or str-as-number coercion
         openapi_config=openapi,
         debug=False,

@@ -14,7 +14,7 @@ from sqlalchemy import delete, select
 
 from registry import placement
 from registry.context import RegistryContext
-from registry.controllers.common import admin_guard, errors, get_ctx, replica_out
+from registry.controllers.common import admin_guard, errors, get_ctx, reject_unknown_query, replica_out
 from registry.controllers.workers import worker_out
 from registry.schemas import RoutingAdapter, RoutingAlias, RoutingTable, StatsIn
 from registry.tables import (
@@ -95,6 +95,7 @@ class RoutingController(Controller):
                                        description="long poll: hold a 304 answer up to this many seconds "
                                                    "until the table changes"),
     ) -> Response[RoutingTable]:
+        reject_unknown_query(request, "wait")
         await ctx.sweep()
         inm = request.headers.get("if-none-match")
         router_id = request.headers.get("x-lorafarm-router")

@@ -29,10 +29,12 @@ class TransformersServe:
 
     def start(self) -> TransformersServe:
         import os
-        import shutil
         import subprocess
 
-        exe = shutil.which("transformers") or "transformers"
+        from lorafarm.dev.executables import console_script
+
+        exe = console_script("transformers")
+        assert exe is not None, "the transformers CLI is not installed (pip install -e '.[dev]')"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         self.proc = subprocess.Popen([exe, "serve", self.folder.name, "--host", "127.0.0.1", "--port",
                                       str(self.port), "--device", "cpu"], cwd=self.folder.parent, env=env,

@@ -120,4 +120,27 @@ def restart_replica(farm, i: int) -> None:
     f.start_replica(i)
     farm["replicas"][i]["pid"] = f.procs[f"replica-r{i}"].pid
     # a restart reloads the model and rejoins; on a loaded 2-core box that alone can pass 30 s
-    wait_for(lambda: router_health(farm)["replicas_healthy"] == len(farm["replicas"]), 90, what="replica back in routing")
+    try:
+        wait_for(lambda: router_health(farm)["replicas_healthy"] == len(farm["replicas"]), 90,
+                 what="replica back in routing")
+    except BaseException:
+        print(farm_diagnostics(farm, f"replica-r{i}"))
+        raise
+
+
+def farm_diagnostics(farm, *procs: str) -> str:
+    """What the router and registry say, and the ends of the named processes' logs (for a failure)."""
+    out = []
+    for what, get in (("router /health", lambda: router_health(farm)),
+                      ("registry replicas", lambda: httpx.get(farm["registry_url"] + "/internal/replicas",
+                                                              headers=admin(farm), timeout=5).json())):
+        try:
+            out.append(f"{what}: {get()}")
+        except Exception as e:  # diagnostics must not hide the failure
+            out.append(f"{what}: unavailable ({e})")
+    logs = farm["_farm"].logs_dir
+    for name in ("router", "registry", *procs):
+        path = logs / f"{name}.log"
+        if path.exists():
+            out.append(f"--- {path.name} (last 60 lines)\n" + "\n".join(path.read_text(errors="replace").splitlines()[-60:]))
+    return "\n".join(out)
