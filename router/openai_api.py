@@ -12,6 +12,8 @@ EMBEDDINGS = "embeddings"
 UPSTREAM_PATH = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", EMBEDDINGS: "/v1/embeddings"}
 # what a torch.Generator accepts as a seed (the replica refuses the rest the same way)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1  # no model's context comes near; bounds what a request can charge or reserve
+MAX_N = 128  # OpenAI's own limit (the replica enforces the same)
 
 
 class ApiError(Exception):
@@ -127,8 +129,8 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
         v = body.get(name)
         if v is None:
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ApiError(400, f"'{name}' must be a positive integer", param=name)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TOKENS_LIMIT:
+            raise ApiError(400, f"'{name}' must be an integer in [1, {MAX_TOKENS_LIMIT}]", param=name)
         limits.append(v)
     max_tokens = min(limits) if limits else default_max_tokens
     seed = body.get("seed")
@@ -137,8 +139,8 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
     n = body.get("n", 1)
     if n is None:
         n = 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ApiError(400, "'n' must be a positive integer", param="n")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be an integer in [1, {MAX_N}]", param="n")
     return ParsedRequest(
         endpoint=endpoint,
         body=body,

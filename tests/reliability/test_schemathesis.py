@@ -63,7 +63,9 @@ def test_router_openapi_conformance(case, rfarm, rtenant):
     _check(case, rfarm["router_url"], {"Authorization": f"Bearer {rtenant['api_key']}"}, "router")
 
 
-@replica_schema.parametrize()
+# POST /internal/drain is one-way (a replica being shut down stays draining): fuzzing it would take the
+# shared farm's r0 out of routing for every later test. tests/fleet/test_replica_lifecycle.py covers it.
+@replica_schema.exclude(path="/internal/drain").parametrize()
 @_SETTINGS
 def test_replica_openapi_conformance(case, rfarm):
     _check(case, rfarm["replicas"][0]["url"], {"Authorization": f"Bearer {rfarm['admin_token']}"}, "replica")

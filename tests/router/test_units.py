@@ -264,6 +264,12 @@ def test_parse_and_estimate():
         (b'{"model":"m"}', "messages"),
         (b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}', "max_tokens"),
         (b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}', "stream"),
+        # unbounded ints would be charged and counted as in-flight tokens (a 400-digit max_tokens
+        # once overflowed the router's float gauges)
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":' + b"9" * 400 + b"}", "max_tokens"),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":2147483648}',
+         "max_completion_tokens"),
+        (b'{"model":"m","messages":[{"role":"user","content":"x"}],"n":129}', "n"),
     ],
 )
 def test_parse_rejects(raw, param):
