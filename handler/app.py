@@ -60,6 +60,7 @@ class ReplicaConfig:
     slots: int = 8
     rank_pools: dict[int, int] | None = None
     ram_bytes: int = 4 * 1024**3
+    load_nice: int = 10  # CPU priority (nice) of adapter-load threads: below the decode loop's
     disk_bytes: int = 32 * 1024**3
     disk_dir: Path | None = None  # default var/replicas/<id>
     kv_cache_bytes: int | None = None
@@ -194,8 +195,8 @@ class ReplicaService:
             model_dir=Path(cfg.base_dir), model_name=cfg.resolved_model_name(), replica_id=cfg.replica_id,
             device=cfg.device, dtype=dtype, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots,
             rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
-            ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, trusted_keys=trusted, source=source,
-            merged_adapter=cfg.merged_adapter)
+            ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
+            source=source, merged_adapter=cfg.merged_adapter)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
         await asyncio.to_thread(self.handler.initialize, ctx)

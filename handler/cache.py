@@ -29,10 +29,13 @@ adapter only, with an `AdapterLoadError` that says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -143,11 +146,21 @@ def check_adapter_tensors(adapter_id: str, weights: dict[str, torch.Tensor], *, 
             bad(f"layer {layer} {module}: lora_A and lora_B must both be present")
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Run the calling thread at `nice` (Linux: per thread; threads it starts, such as an OpenMP
+    team, inherit it). Never raises: a platform without it keeps the default priority."""
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(int(nice), current))
+    except (AttributeError, OSError):
+        pass
+
+
 def save_slot_image(image: SlotImage, path: Path) -> None:
     """Write a SlotImage as safetensors (tmp + rename, so a torn file is never adopted)."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".part")
+    tmp = path.with_name(f"{path.name}.{threading.get_native_id()}.part")  # two writers never share one
     save_file(image.tensors, str(tmp), metadata={"pool_rank": str(image.pool_rank)})
     tmp.replace(path)
 
@@ -204,6 +217,7 @@ class AdapterCache:
         io_threads: int = 2,
         dtype: torch.dtype | None = None,
         pin_memory: bool = False,
+        load_nice: int = 10,
     ):
         self.engine = engine
         self.base_config = base_config
@@ -226,8 +240,13 @@ class AdapterCache:
         self.load_times = LoadTimes()
         self.prefetch_hits = 0
         self._prefetched: set[str] = set()  # brought in by prefetch/load, not yet asked for
-        self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="lorafarm-io")
-        self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount")
+        # Loads are background work: their threads run at a lower CPU priority (nice) than the decode
+        # loop, so on a busy host a cold load slows itself down, not the running batch's tokens.
+        self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="lorafarm-io",
+                                      initializer=lower_thread_priority, initargs=(load_nice,))
+        self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount",
+                                                initializer=lower_thread_priority, initargs=(load_nice,))
+        self._image_writes: dict[str, asyncio.Future] = {}  # slot images being written after a fetch
         # tiers: the policy keeps what is where (and the LRU orders); this keeps the RAM tensors
         self._ram: dict[str, LoadedAdapter] = {}
         # in flight
@@ -453,6 +472,7 @@ class AdapterCache:
                     self._prefetched.add(adapter_id)
             else:
                 await self._ensure_disk(adapter_id)
+            await self._image_written(adapter_id)  # not on a request's path: leave the tiers settled
         except (AdapterLoadError, AdapterNotFoundError, asyncio.CancelledError):
             raise
         except Exception as e:  # a refused archive: say why, as a load would
@@ -516,6 +536,8 @@ class AdapterCache:
             if adapter_id in self._ram:
                 self._drop_ram(adapter_id)
                 removed.append("ram")
+            if purge_disk:
+                await self._image_written(adapter_id)  # never delete a folder being written
             if purge_disk and self.policy.nbytes("disk", adapter_id) is not None \
                     and not self.policy.is_pinned_disk(adapter_id):
                 self._drop_disk(adapter_id)
@@ -713,15 +735,45 @@ class AdapterCache:
             (tmp / "x").rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        if (final / IMAGE_FILE).exists():
-            self._images.add(adapter_id)
         if self.metrics:
             self.metrics.bytes_moved.labels(tier="remote").inc(archive_bytes)
         nbytes = _dir_bytes(final)
         victims = self.policy.put("disk", adapter_id, nbytes)
         log.info("fetched %s (%s bytes, version %s)", adapter_id, nbytes, manifest.get("version"))
         self._disk_evicted(victims or [])
+        if isinstance(la.weights, SlotImage):
+            self._write_image_later(adapter_id, la.weights)
         return la
+
+    async def _image_written(self, adapter_id: str) -> None:
+        """Wait for a pending slot-image write of this adapter (and its disk accounting) to finish."""
+        fut = self._image_writes.get(adapter_id)
+        if fut is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+
+    def _write_image_later(self, adapter_id: str, image: SlotImage) -> None:
+        """Write the fresh adapter's slot image into its disk folder off the load's critical path
+        (the waiting request mounts from RAM meanwhile); the next disk -> RAM read is then one read.
+        Until it is written the folder is read the slow way, so a failed write costs only speed."""
+        folder = self.adapters_dir / adapter_id
+        fut = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+            self._io, save_slot_image, image, folder / IMAGE_FILE))
+        self._image_writes[adapter_id] = fut
+
+        def _written(f: asyncio.Future) -> None:
+            if self._image_writes.get(adapter_id) is f:
+                del self._image_writes[adapter_id]
+            if f.cancelled() or f.exception() is not None:
+                log.info("slot image of %s not written: %s", adapter_id, None if f.cancelled() else f.exception())
+                return
+            if self.policy.nbytes("disk", adapter_id) is None or not (folder / IMAGE_FILE).exists():
+                return  # evicted from disk meanwhile
+            self._images.add(adapter_id)
+            self.policy.drop("disk", adapter_id)  # the folder grew by the image: account for it
+            self._disk_evicted(self.policy.put("disk", adapter_id, _dir_bytes(folder)) or [])
+
+        fut.add_done_callback(_written)
 
     def _extract(self, adapter_id: str, lar: Path, dest: Path) -> tuple[dict, LoadedAdapter]:
         """Verify (signature, checksums, base hash, rank limit) then extract; stamp the folder; check
@@ -741,7 +793,7 @@ class AdapterCache:
                                    f"the archive is signed for adapter {man.get('adapter_id')!r}, not {adapter_id!r}")
         stamp = {"adapter_id": adapter_id, "manifest": man, "verified_at": time.time()}
         (dest / VERIFIED_STAMP).write_text(json.dumps(stamp))
-        return man, self._build(adapter_id, dest, man)
+        return man, self._build(adapter_id, dest, man, save_image=False)
 
     def _recheck_disk(self, adapter_id: str) -> bool:
         """The files of an adopted folder still have their verified manifest's checksums."""
@@ -781,9 +833,10 @@ class AdapterCache:
                                    f"built for base {man.get('base_model_hash')}, this replica serves "
                                    f"{self.base_model_hash}")
 
-    def _build(self, adapter_id: str, d: Path, man: dict) -> LoadedAdapter:
+    def _build(self, adapter_id: str, d: Path, man: dict, *, save_image: bool = True) -> LoadedAdapter:
         """Read the verified PEFT files of folder `d`, check the tensors against the base's shapes and
-        lay them out for a slot (written to `d/IMAGE_FILE` so the next disk read is one read)."""
+        lay them out for a slot (written to `d/IMAGE_FILE`, unless `save_image` is False, so the next
+        disk read is one read)."""
         from safetensors.torch import load_file
 
         self._check_manifest(adapter_id, man)
@@ -804,7 +857,8 @@ class AdapterCache:
         if prepare is not None:  # the slot layout: a mount is then one copy per stack
             image = prepare(weights, rank=rank, alpha=alpha, target_modules=target_modules,
                             pin_memory=self.pin_memory)
-            save_slot_image(image, d / IMAGE_FILE)
+            if save_image:
+                save_slot_image(image, d / IMAGE_FILE)
             return LoadedAdapter(adapter_id, image, rank, alpha, target_modules, image.nbytes, man)
         if self.dtype is not None:
             weights = {k: v.to(self.dtype) for k, v in weights.items()}

@@ -118,6 +118,9 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; 429 above (default 256)")
     p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
+    p.add_argument("--load-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
+                   help="CPU priority (nice) of adapter-load threads, so cold loads never slow the running "
+                        "batch's decode (0: same priority)")
     p.add_argument("--prefetch-interval-s", type=float, default=10.0,
                    help="pre-warm this replica's most requested adapters into RAM and free slots this often (0: off)")
     p.add_argument("--prewarm", type=int, default=None, help="owned adapters pre-warmed into slots (default --slots)")
@@ -178,7 +181,7 @@ def build_config(args: argparse.Namespace):
         disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=args.kv_cache_bytes,
         device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
         shutdown_grace_s=args.shutdown_grace_s,
-        prefetch_interval_s=args.prefetch_interval_s,
+        prefetch_interval_s=args.prefetch_interval_s, load_nice=args.load_nice,
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 

@@ -67,6 +67,7 @@ class HandlerContext:
     kv_cache_bytes: int | None = None
     disk_dir: Path = Path("var/replica")
     ram_bytes: int = 4 * 1024**3
+    load_nice: int = 10  # nice of the adapter-load threads (handler.cache.lower_thread_priority)
     disk_bytes: int = 32 * 1024**3
     trusted_keys: list = field(default_factory=list)
     source: AdapterSource | None = None
@@ -370,7 +371,7 @@ class LoraHandler:
             trusted_keys=ctx.trusted_keys, source=ctx.source, disk_dir=ctx.disk_dir,
             ram_bytes=ctx.ram_bytes, disk_bytes=ctx.disk_bytes, rank_limit=ctx.limits.rank_limit,
             metrics=self.metrics, dtype=None,  # kept as stored; the engine casts on mount
-            pin_memory=str(getattr(self.engine, "device", "cpu")).startswith("cuda"),
+            pin_memory=str(getattr(self.engine, "device", "cpu")).startswith("cuda"), load_nice=ctx.load_nice,
         )
         await self.cache.start()
 
