@@ -2,13 +2,19 @@
 
     lorafarm loadtest [--url URL --key KEY | --farm farm.json | --replicas N --adapters N --slots S[,S...]]
                       [--rates R1,R2,...] [--duration S] [--warmup S] [--zipf A] [--routing affinity|random]
-                      [--ab] [--throughput] [--out DIR]
+                      [--ab [--ab-routings A,B] [--ab-rate R]] [--throughput] [--out DIR]
     lorafarm loadtest --report-from DIR [--to docs]        # re-render a run's report (into docs/)
 
 With neither --url nor --farm it starts a farm (registry, router, replicas: `lorafarm.farm.Farm`)
 in --state-dir, uploads --adapters synthetic adapters through the registry, and stops every process
 it started when done or interrupted. Each --slots value is one sweep (the farm restarted with that
 many device slots per rank pool), so `--slots 8,2` shows where thrashing starts.
+
+--ab replays the same seeded workload once per routing variant of --ab-routings (default
+affinity,random), each on a fresh farm at the smallest --slots: affinity (the router's defaults:
+warm/owner classes ordered by expected TTFT), class-order (warm/owner classes in the fixed order
+gpu > ram > disk > owner: `lorafarm router --score class-order`, the rule before issue 13) and
+random (`--strategy random --no-affinity`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from pathlib import Path
 from loadtests.workload import add_workload_arguments
 from lorafarm.errors import CliError
 
-ROUTING_ARGS = {"affinity": [], "random": ["--strategy", "random", "--no-affinity"]}
+ROUTING_ARGS = {"affinity": [], "class-order": ["--score", "class-order"],
+                "random": ["--strategy", "random", "--no-affinity"]}
 THROUGHPUT_DISTINCT = (1, 8, 32)
 TENANT = "loadtest"
 
@@ -45,6 +52,14 @@ def _ints(value: str) -> list[int]:
     if any(v != int(v) for v in out):
         raise argparse.ArgumentTypeError(f"{value!r}: whole numbers only")
     return [int(v) for v in out]
+
+
+def _routings(value: str) -> list[str]:
+    out = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    bad = [v for v in out if v not in ROUTING_ARGS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated variants of {', '.join(sorted(ROUTING_ARGS))}")
+    return out
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -74,7 +89,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.url and args.farm:
         raise CliError("give --url or --farm, not both")
     if (args.url or args.farm) and (args.ab or args.routing != "affinity" or len(args.slots) > 1):
-        raise CliError("--ab, --routing random and several --slots need a farm this command starts "
+        raise CliError("--ab, --routing other than affinity and several --slots need a farm this command starts "
                        "(drop --url/--farm)")  # fmt: skip
     if args.trace and not Path(args.trace).is_file():
         raise CliError(f"--trace {args.trace}: no such file")
@@ -310,7 +325,7 @@ def _loadtest(args: argparse.Namespace) -> int:
 
             ab_slots = min(args.slots)
             ab_rate = args.ab_rate or highest_ok_rate(_rows(out / "sweep.csv"), f"slots{ab_slots}") or min(args.rates)
-            for routing in ("affinity", "random"):
+            for routing in args.ab_routings:
                 target = session.start_farm(ab_slots, routing)
                 name = f"ab-{routing}"
                 path = run_locust(target, steps_dir, name, rate=ab_rate, duration=args.duration, warmup=args.warmup,
@@ -361,7 +376,10 @@ def register(sub) -> None:
     g.add_argument("--warmup", type=float, default=10.0, help="unmeasured seconds before each step (default 10)")
     add_workload_arguments(g)
     g = p.add_argument_group("extra runs")
-    g.add_argument("--ab", action="store_true", help="routing A/B: affinity vs random, same seeded replay")
+    g.add_argument("--ab", action="store_true", help="routing A/B: the --ab-routings variants, same seeded replay")
+    g.add_argument("--ab-routings", type=_routings, default=["affinity", "random"], metavar="A,B",
+                   help=f"A/B variants, each on a fresh farm ({', '.join(sorted(ROUTING_ARGS))}; "
+                        "default affinity,random)")
     g.add_argument("--ab-rate", type=float, default=None, help="A/B rate (default: highest passing swept rate)")
     g.add_argument("--throughput", action="store_true", help="closed loop: base model vs 1, 8, 32 adapters")
     g.add_argument("--concurrency", type=int, default=32, help="throughput: requests in flight (default 32)")

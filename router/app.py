@@ -313,7 +313,7 @@ class RouterCore:
     def snapshot(self):
         """The view's replicas plus the foreign workers: what `choose()` ranks."""
         snap = self.view.snapshot()
-        return dataclasses.replace(snap, replicas=snap.replicas + self.workers.snapshots())
+        return dataclasses.replace(snap, replicas=snap.replicas + self.workers.snapshots(), score=self.settings.score)
 
     def _acquire(self, replica_id: str, tokens: int) -> None:
         self.view.acquire(replica_id, tokens)

@@ -29,6 +29,7 @@ def _router(args: argparse.Namespace) -> int:
             admin_token=args.admin_token,
             strategy=args.strategy,
             affinity=not args.no_affinity,
+            score=args.score,
             poll_interval=args.poll_interval,
             routing_poll_interval=args.routing_poll_interval,
             health_failures=args.health_failures,
@@ -56,7 +57,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from router.config import STRATEGIES
+    from router.config import SCORES, STRATEGIES
 
     p = sub.add_parser("router", help="run the OpenAI-compatible router (gateway) in front of the replicas")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
@@ -73,6 +74,9 @@ def register(sub) -> None:
     )
     p.add_argument("--strategy", choices=STRATEGIES, default="least_tokens",
                    help="order within a readiness class (default least_tokens)")  # fmt: skip
+    p.add_argument("--score", choices=SCORES, default=SCORES[0],
+                   help="order of the replicas holding or owning the adapter: expected-ttft (queue wait + "
+                        "expected load) or class-order (gpu > ram > disk > owner, the older rule; default expected-ttft)")
     p.add_argument("--no-affinity", action="store_true",
                    help="ignore warm/owner classes: the strategy alone (A/B baseline)")  # fmt: skip
     p.add_argument("--poll-interval", type=float, default=1.0, help="replica state poll, seconds (default 1.0)")

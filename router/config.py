@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from router.routing import STRATEGIES
+from router.routing import SCORES, STRATEGIES
 
 
 def _env_float(name: str, default: float) -> float:
@@ -27,6 +27,7 @@ class RouterSettings:
     # routing
     strategy: str = "least_tokens"
     affinity: bool = True  # False: the strategy alone over every healthy replica (the A/B baseline)
+    score: str = "expected-ttft"  # order of warm/owner replicas; class-order: the pre-issue-13 rule (SCORES)
     # a replica is over its load threshold at load_threshold_tokens x capacity_weight tokens in
     # flight, or at load_threshold_queue requests waiting; then its warm/owner class is skipped
     load_threshold_tokens: int = 8192
@@ -79,6 +80,8 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, not {self.score!r}")
         if self.poll_interval <= 0 or self.routing_poll_interval <= 0:
             raise ValueError("poll intervals must be positive")
         if self.health_failures < 1:

@@ -24,6 +24,8 @@ Rules (DESIGN.md section 5):
   with empty queues and the default figures this is the class order gpu > ram > disk > owner. Ties (equal
   expected TTFT) go to the class order, then to the strategy: least_tokens (default),
   least_connections, weighted (tokens in flight per unit of capacity), random;
+- `view.score == "class-order"` drops the expected-TTFT term: the fixed class order gpu > ram >
+  disk > owner, then the strategy (the rule before issue 13, kept for the A/B comparison);
 - other candidates (cold, not owners) follow as failover, by the same key;
 - a base model (no adapter): replicas and foreign workers reporting it loaded (base) before foreign
   workers that list it but do not report it loaded, or whose catalog could not be fetched
@@ -45,6 +47,9 @@ from lorafarm.rendezvous import owners as rendezvous_owners
 from lorafarm.rendezvous import score as rendezvous_score
 
 STRATEGIES = ("least_tokens", "least_connections", "weighted", "random")
+# how warm/owner replicas are ordered: expected time to first token, or the fixed class order
+EXPECTED_TTFT, CLASS_ORDER = "expected-ttft", "class-order"
+SCORES = (EXPECTED_TTFT, CLASS_ORDER)
 
 # readiness classes, best first
 GPU, RAM, DISK, OWNER, ANY, BASE = "gpu", "ram", "disk", "owner", "any", "base"
@@ -108,6 +113,7 @@ class ViewSnapshot:
     load_threshold_queue: int = 16
     queue_ms_per_request: float = 100.0  # expected-TTFT: wait per request queued ahead
     owner_bias_ms: float = 50.0  # expected-TTFT: added for a non-owner that would fetch the adapter
+    score: str = EXPECTED_TTFT  # class-order: ignore the expected-TTFT term (SCORES)
 
     def overloaded(self, r: ReplicaSnapshot) -> bool:
         limit = self.load_threshold_tokens * max(r.capacity_weight, 1e-9)
@@ -184,6 +190,8 @@ def choose(
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     if not isinstance(view, ViewSnapshot):
         view = ViewSnapshot(replicas=tuple(view))
+    if view.score not in SCORES:
+        raise ValueError(f"unknown score {view.score!r}; one of {', '.join(SCORES)}")
     k = request.owners_k if k is None else k
     serving = [r for r in view.replicas if r.serves(request)]
     pool = [r for r in serving if r.healthy] or serving  # last resort: unhealthy ones
@@ -219,7 +227,7 @@ def choose(
         else:
             klass = ANY
         expected = 0.0
-        if adapter and affinity:
+        if adapter and affinity and view.score == EXPECTED_TTFT:
             tier = klass if klass in (GPU, RAM, DISK) else "remote"
             expected = r.queue_depth * view.queue_ms_per_request + r.expected_load_ms(adapter, tier)
             if tier == "remote" and r.replica_id not in owner_ids:

@@ -124,6 +124,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
     assert "needs --key" in _one_line_exit_2(["loadtest", "--url", "http://127.0.0.1:1"], capsys)
 
 
+def test_every_ab_routing_variant_is_a_valid_router_command_line(capsys):
+    from loadtests.cli import ROUTING_ARGS
+    from lorafarm.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["loadtest", "--ab"]).ab_routings == ["affinity", "random"]  # the default
+    assert parser.parse_args(["loadtest", "--ab-routings", "affinity,class-order"]).ab_routings == ["affinity", "class-order"]
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["loadtest", "--ab", "--ab-routings", "affinity,fastest"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--ab-routings" in err and "class-order" in err and "\n" not in err
+    scores = {v: parser.parse_args(["router", *args]).score for v, args in ROUTING_ARGS.items()}
+    assert scores == {"affinity": "expected-ttft", "class-order": "class-order", "random": "expected-ttft"}
+
+
 def test_wrong_key_is_one_line_and_exit_2(synth_farm, capsys, tmp_path):
     url = synth_farm["farm"].router_url
     err = _one_line_exit_2(["loadtest", "--url", url, "--key", "lf-wrong", "--out", str(tmp_path)], capsys)

@@ -154,6 +154,12 @@ async def test_random_strategy_exists_for_ab_and_is_worse():
         assert tiers.count("gpu") / len(tiers) < 0.9
 
 
+async def test_score_setting_reaches_the_routing_view():
+    async with router_farm(score="class-order") as farm:
+        await farm.sync()
+        assert farm.core.snapshot().score == "class-order"
+
+
 async def test_possibly_warm_replica_keeps_traffic():
     async with router_farm(replicas=[("r0", "dev-a"), ("r1", "dev-a"), ("r2", "dev-a")]) as farm:
         key, aid = await _setup_acme(farm)

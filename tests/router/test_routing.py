@@ -1,5 +1,6 @@
 """choose(): the pure routing function."""
 
+import dataclasses
 import random
 
 import pytest
@@ -7,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorafarm.rendezvous import owners
+from router.config import RouterSettings
 from router.routing import STRATEGIES, ReplicaSnapshot, RouteRequest, ViewSnapshot, choose
 
 H1, H2 = "sha256:aaa", "sha256:bbb"
@@ -231,6 +233,23 @@ def test_expected_ttft_queue_wait_against_load_time():
     # the replica's own measured figures count: a slow disk loses to a fast one
     view = ViewSnapshot(replicas=(held("r0", "disk", ms=90.0), held("r1", "disk", ms=30.0)))
     assert ids(choose(req(), view))[0] == "r1"
+
+
+def test_class_order_score_ranks_by_class_then_strategy():
+    # expected-TTFT (the default): the idle RAM copy beats the device copy behind 3 queued requests
+    busy_gpu = ViewSnapshot(replicas=(held("r0", "gpu", queue=3), held("r1", "ram", ms=20.0)))
+    assert ViewSnapshot().score == RouterSettings().score == "expected-ttft"
+    assert ids(choose(req(), busy_gpu)) == ["r1", "r0"]
+    # class-order (the rule before issue 13): the device copy first, whatever its queue
+    assert ids(choose(req(), dataclasses.replace(busy_gpu, score="class-order"))) == ["r0", "r1"]
+    # within a class the strategy decides, not the expected load time
+    two_ram = ViewSnapshot(replicas=(held("r0", "ram", ms=5.0, tokens=500), held("r1", "ram", ms=300.0, tokens=100)))
+    assert ids(choose(req(), two_ram)) == ["r0", "r1"]
+    assert ids(choose(req(), dataclasses.replace(two_ram, score="class-order"))) == ["r1", "r0"]
+    with pytest.raises(ValueError, match="unknown score"):
+        choose(req(), dataclasses.replace(two_ram, score="fastest"))
+    with pytest.raises(ValueError, match="score must be one of"):
+        RouterSettings(score="fastest")
 
 
 def test_a_disk_copy_beats_an_owner_that_must_fetch():
