@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from handler.lora import SlotImage
+from handler.lora import SlotImage, SlotImageFile
 from handler.errors import SAFE_ID_RE, AdapterLoadError, AdapterNotFoundError, check_adapter_id, error_code
 from handler.metrics import ReplicaMetrics
 from handler.slots import LoadTimes, SlotCounters, SlotPolicy
@@ -165,29 +165,38 @@ def save_slot_image(image: SlotImage, path: Path) -> None:
     tmp.replace(path)
 
 
-def read_slot_image(path: Path, *, pin_memory: bool = False) -> SlotImage:
-    """One read: the file's tensor bytes go straight into one (pinned) host buffer; every stack is
-    a view of it."""
+def open_slot_image(path: Path) -> SlotImageFile:
+    """The header of a saved slot image: where each stack lies in the file (nothing else is read)."""
     from archives.safetensors_header import read_header
 
     with open(path, "rb", buffering=0) as f:
         size = f.seek(0, 2)
         f.seek(0)
         header = read_header(f, size)
-        f.seek(header.data_start)
-        buf = torch.empty(size - header.data_start, dtype=torch.uint8, pin_memory=pin_memory)
+    dtypes = {_IMAGE_DTYPES[info.dtype] for info in header.tensors.values()}
+    if len(dtypes) != 1:
+        raise OSError(f"{path}: not a slot image (dtypes {sorted(map(str, dtypes))})")
+    entries = {name: (info.start, info.end - info.start, tuple(info.shape)) for name, info in header.tensors.items()}
+    return SlotImageFile(int(header.metadata["pool_rank"]), dtypes.pop(), {}, path=path, entries=entries)
+
+
+def read_slot_image(path: Path, *, pin_memory: bool = False) -> SlotImage:
+    """One read: the file's tensor bytes go straight into one (pinned) host buffer; every stack is
+    a view of it."""
+    image = open_slot_image(path)
+    start = min((off for off, _, _ in image.entries.values()), default=0)
+    end = max((off + n for off, n, _ in image.entries.values()), default=0)
+    buf = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin_memory)
+    with open(path, "rb", buffering=0) as f:
         view, got = memoryview(buf.numpy()), 0
         while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
+            n = os.preadv(f.fileno(), [view[got:]], start + got)
+            if n <= 0:
                 raise OSError(f"{path}: truncated")
             got += n
-    tensors, dtype = {}, None
-    for name, info in header.tensors.items():
-        dtype = _IMAGE_DTYPES[info.dtype]
-        lo, hi = info.start - header.data_start, info.end - header.data_start
-        tensors[name] = buf[lo:hi].view(dtype).view(info.shape)
-    return SlotImage(int(header.metadata["pool_rank"]), dtype, tensors)
+    tensors = {name: buf[off - start : off - start + n].view(image.dtype).view(shape)
+               for name, (off, n, shape) in image.entries.items()}
+    return SlotImage(image.pool_rank, image.dtype, tensors)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -247,6 +256,7 @@ class AdapterCache:
         self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount",
                                                 initializer=lower_thread_priority, initargs=(load_nice,))
         self._image_writes: dict[str, asyncio.Future] = {}  # slot images being written after a fetch
+        self._ram_fills: dict[str, asyncio.Task] = {}  # RAM copies being read after a disk -> slot mount
         # tiers: the policy keeps what is where (and the LRU orders); this keeps the RAM tensors
         self._ram: dict[str, LoadedAdapter] = {}
         # in flight
@@ -533,6 +543,10 @@ class AdapterCache:
                     raise
                 removed.append("gpu")
                 self._notify_slot_freed()
+            fill = self._ram_fills.get(adapter_id)
+            if fill is not None:  # a RAM copy being made: let it land (it checks draining), then drop it
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(fill)
             if adapter_id in self._ram:
                 self._drop_ram(adapter_id)
                 removed.append("ram")
@@ -576,14 +590,29 @@ class AdapterCache:
     async def _load_and_mount(self, adapter_id: str) -> None:
         src_tier = self.tier_of(adapter_id)
         t0 = time.perf_counter()
+        pinned = False  # the disk -> slot path (the folder is pinned while its image is read)
         try:
             la = self._ram.get(adapter_id)
             if la is not None:
                 self.policy.touch(adapter_id, "ram")
+            elif self._image_on_disk(adapter_id):
+                # disk -> slot in one read: the stacks go from the image file straight into the slot
+                # (RAM gets its copy afterwards, off this request's path); the folder stays meanwhile
+                self.policy.pin_disk(adapter_id)
+                pinned = True
+                la = await asyncio.get_running_loop().run_in_executor(self._io, self._disk_image, adapter_id)
+                self.policy.touch(adapter_id, "disk")
+                if self.metrics:
+                    self.metrics.bytes_moved.labels(tier="disk").inc(la.nbytes)
             else:
                 la = await self._ensure_ram(adapter_id)
             waited = await self._mount(la)
         except BaseException as e:
+            if pinned and not isinstance(e, asyncio.CancelledError):
+                # a bad image file (cut short, changed): read the verified PEFT files the next time
+                self._images.discard(adapter_id)
+                with contextlib.suppress(OSError):
+                    (self.adapters_dir / adapter_id / IMAGE_FILE).unlink()
             self.policy.count_load(src_tier, ok=False)
             if self.metrics:
                 self.metrics.record_load(src_tier, time.perf_counter() - t0, ok=False)
@@ -602,7 +631,46 @@ class AdapterCache:
             if self.metrics:
                 self.metrics.record_load(src_tier, seconds, ok=True)
         finally:
+            if pinned:
+                self.policy.unpin_disk(adapter_id)
             self._update_gauges()
+
+    def _image_on_disk(self, adapter_id: str) -> bool:
+        """A slot image this run wrote (of a verified folder) is on disk, and no fetch is in flight."""
+        return (adapter_id in self._images and adapter_id not in self._unverified
+                and adapter_id not in self._fetching and self.policy.nbytes("disk", adapter_id) is not None)
+
+    def _disk_image(self, adapter_id: str) -> LoadedAdapter:
+        """The verified folder's slot image, header only (`SlotImageFile`): mounting reads the rest."""
+        d = self.adapters_dir / adapter_id
+        man = json.loads((d / VERIFIED_STAMP).read_text())["manifest"]
+        self._check_manifest(adapter_id, man)
+        image = open_slot_image(d / IMAGE_FILE)
+        rank = int(man["rank"])
+        return LoadedAdapter(adapter_id, image, rank, float(man.get("alpha", rank)),
+                             list(man.get("target_modules") or []), image.nbytes, man)
+
+    def _fill_ram_later(self, adapter_id: str) -> None:
+        """After a disk -> slot mount: read the image into the RAM tier too (io pool, low priority),
+        so a later eviction from the slot demotes it to RAM, not to disk."""
+        if adapter_id in self._ram_fills:
+            return
+
+        async def fill() -> None:
+            try:
+                la = await asyncio.get_running_loop().run_in_executor(self._io, self._read_disk, adapter_id)
+            except Exception as e:  # the folder was evicted meanwhile: it stays on its tier
+                log.info("RAM copy of %s not made: %s", adapter_id, e)
+                return
+            # still mounted, or just demoted to disk (then RAM is exactly where it belongs); not unloaded
+            if adapter_id not in self._ram and adapter_id not in self._draining \
+                    and self.tier_of(adapter_id) in ("gpu", "disk"):
+                self._put_ram(la)
+                self._update_gauges()
+
+        task = asyncio.get_running_loop().create_task(fill())
+        self._ram_fills[adapter_id] = task
+        task.add_done_callback(lambda t: self._ram_fills.pop(adapter_id, None))
 
     async def _mount(self, la: LoadedAdapter) -> float:
         """Take a slot in the adapter's rank pool (evicting the LRU idle adapter of that pool, or
@@ -644,6 +712,9 @@ class AdapterCache:
                 self.policy.cancel_mount(la.adapter_id)
                 raise
             self.policy.on_mounted(la.adapter_id, pool)
+            if isinstance(la.weights, SlotImageFile):
+                self._fill_ram_later(la.adapter_id)
+                return wait_s
             if self.metrics:
                 self.metrics.bytes_moved.labels(tier="ram").inc(la.nbytes)
             if la.adapter_id not in self._ram:

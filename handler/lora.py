@@ -48,9 +48,12 @@ moved into the stored weights.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
@@ -281,15 +284,15 @@ class MultiLoRALinear:
         from pinned host memory on CUDA (the caller orders the stream)."""
         if slot == 0:
             raise ValueError("slot 0 is the no-adapter slot")
-        if a is None:
-            self.A[pool][slot].zero_()
-        else:
-            self.A[pool][slot].copy_(a, non_blocking=True)
-        for B, b in zip(self.B[pool], bs):
-            if b is None:
-                B[slot].zero_()
-            else:
-                B[slot].copy_(b, non_blocking=True)
+        for dest, src in ((self.A[pool][slot], a), *((B[slot], b) for B, b in zip(self.B[pool], bs))):
+            if src is None:
+                dest.zero_()
+            elif isinstance(src, torch.Tensor):
+                if src.shape != dest.shape:
+                    raise InvalidAdapterWeightsError(f"stack {tuple(src.shape)} for a slot of {tuple(dest.shape)}")
+                dest.copy_(src, non_blocking=True)
+            else:  # a stack still in its image file (`FileStack`)
+                src.read_into(dest)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y += the adapter deltas of every row (in place; y is the group's fused base output)."""
@@ -351,9 +354,10 @@ class MultiLoRALinear:
 
 
 def parse_peft_weights(
-    weights: Mapping[str, torch.Tensor], config: ModelConfig
+    weights: Mapping[str, torch.Tensor], config: ModelConfig, peaks: dict | None = None
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
-    """PEFT tensor names -> {(layer, module): {"A": [r, k], "B": [d, r]}}; strict about everything else."""
+    """PEFT tensor names -> {(layer, module): {"A": [r, k], "B": [d, r]}}; strict about everything else.
+    `peaks`, when given, receives max |x| of each tensor as {(layer, module, "A" | "B"): float}."""
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in weights.items():
         m = _PEFT_KEY.search(name)
@@ -367,9 +371,12 @@ def parse_peft_weights(
             raise InvalidAdapterWeightsError(f"{name}: duplicate lora_{which} for layer {layer} {module}")
         if not t.is_floating_point():
             raise InvalidAdapterWeightsError(f"{name}: dtype {t.dtype} is not a floating point type")
-        if not all_finite(t):
+        peak = abs_peak(t)
+        if not math.isfinite(peak):
             # a NaN or inf in any slot would leak into other rows through the dense kernel (0 * inf)
             raise InvalidAdapterWeightsError(f"{name}: holds NaN or infinite values")
+        if peaks is not None:
+            peaks[(layer, module, which)] = peak
         slot[which] = t
     for (layer, module), ab in out.items():
         if set(ab) != {"A", "B"}:
@@ -406,14 +413,66 @@ class SlotImage:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    @contextlib.contextmanager
+    def sources(self):
+        """key -> what `write_slot` copies from (here the tensors themselves)."""
+        yield self.tensors
 
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN and no inf in `t`: min and max in one pass (both propagate NaN), ~20x faster on CPU than
-    materialising `isfinite(t)` for the checks every adapter load runs over all its weights."""
+
+@dataclass
+class FileStack:
+    """One stack of a `SlotImageFile`: `nbytes` at `offset` of an open file, in the slot dtype."""
+
+    fd: int
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+
+    def read_into(self, dest: torch.Tensor) -> None:
+        """Read the bytes straight into `dest` when it is contiguous host memory (one copy, from the
+        page cache), else through a staging buffer (pinned for a device) and one copy."""
+        if tuple(dest.shape) != self.shape or dest.numel() * dest.element_size() != self.nbytes:
+            raise InvalidAdapterWeightsError(f"image stack {self.shape} for a slot of {tuple(dest.shape)}")
+        direct = dest.device.type == "cpu" and dest.is_contiguous()
+        stage = dest if direct else torch.empty(self.shape, dtype=dest.dtype, pin_memory=dest.device.type == "cuda")
+        view, got = memoryview(stage.view(-1).view(torch.uint8).numpy()), 0
+        while got < self.nbytes:
+            n = os.preadv(self.fd, [view[got:]], self.offset + got)
+            if n <= 0:
+                raise InvalidAdapterWeightsError(f"slot image truncated at byte {self.offset + got}")
+            got += n
+        if not direct:
+            dest.copy_(stage, non_blocking=True)
+
+
+@dataclass
+class SlotImageFile(SlotImage):
+    """A `SlotImage` still in the safetensors file it was saved to (the disk tier): only its header
+    has been read. Mounting reads each stack from the file straight into the slot, so disk -> slot
+    is one read; `tensors` stays empty. entries: key -> (file offset, nbytes, shape)."""
+
+    path: Path | None = None
+    entries: dict[str, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n, _ in self.entries.values())
+
+    @contextlib.contextmanager
+    def sources(self):
+        with open(self.path, "rb", buffering=0) as f:
+            yield {k: FileStack(f.fileno(), off, n, shape) for k, (off, n, shape) in self.entries.items()}
+
+
+def abs_peak(t: torch.Tensor) -> float:
+    """max |x| over `t` (0.0 when empty; NaN if it holds one, inf if it holds one): min and max in one
+    pass, ~20x faster on CPU than materialising `isfinite(t)`, for the checks every load runs."""
     if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if math.isnan(lo) or math.isnan(hi):
+        return math.nan
+    return max(-lo, hi)
 
 
 def image_key(layer: int, group: str, which: str) -> str:
@@ -511,7 +570,8 @@ class ModelLoRA:
         """Validate PEFT-named tensors and lay them out for a slot of the pool that fits `rank` (or of
         `pool_rank`): see `SlotImage`. Host memory (pinned with `pin_memory`); nothing is mounted."""
         r_p = self.pool_rank_for(rank) if pool_rank is None else int(pool_rank)
-        parsed = parse_peft_weights(weights, self.config)
+        peaks: dict = {}
+        parsed = parse_peft_weights(weights, self.config, peaks)
         if not parsed:
             raise InvalidAdapterWeightsError("the adapter holds no LoRA tensors")
         targets = None if target_modules is None else set(target_modules)
@@ -526,6 +586,7 @@ class ModelLoRA:
             if targets is not None and module not in targets:
                 raise InvalidAdapterWeightsError(f"tensors for {module}, which is not in target_modules")
         tensors: dict[str, torch.Tensor] = {}
+        limit = float(torch.finfo(self.dtype).max)
 
         def empty(shape, full: bool) -> torch.Tensor:
             make = torch.empty if full else torch.zeros
@@ -540,9 +601,14 @@ class ModelLoRA:
                 A = empty((len(layer.modules) * r_p, layer.k), full)
                 for m, ab in present:
                     r = ab["A"].shape[0]
+                    name = layer.modules[m]
+                    scale = float(lora_scale(alpha, r, use_rslora))
+                    # A, or scale * B, past the slot dtype's range (65,504 in float16): from the peaks
+                    # parse measured (a value <= max never rounds to inf), no second pass over the output
+                    if peaks[(li, name, "A")] > limit or peaks[(li, name, "B")] * scale > limit:
+                        raise InvalidAdapterWeightsError(f"scaled weights overflow {self.dtype} (layer {li})")
                     A[m * r_p : m * r_p + r].copy_(ab["A"])
                     B = empty((r_p, layer.d[m]), r == r_p)
-                    scale = float(lora_scale(alpha, r, use_rslora))
                     if ab["B"].dtype in (self.dtype, torch.float32):
                         # one strided pass; computed in float32 and rounded once, as the fallback
                         torch.mul(ab["B"].T, scale, out=B[:r])
@@ -550,26 +616,22 @@ class ModelLoRA:
                         B[:r].copy_((ab["B"].to(torch.float32) * scale).T)
                     tensors[image_key(li, gname, f"B{m}")] = B
                 tensors[image_key(li, gname, "A")] = A
-                if not all(  # A or scale * B past the slot dtype's range (65,504 in float16)
-                    all_finite(t)
-                    for t in [A, *(tensors[image_key(li, gname, f"B{m}")] for m, _ in present)]
-                ):
-                    raise InvalidAdapterWeightsError(f"scaled weights overflow {self.dtype} (layer {li})")
         return SlotImage(r_p, self.dtype, tensors)
 
     def write_image(self, slot: int, image: SlotImage) -> None:
         """Mount a `SlotImage` into `slot`: one copy per stack, zeroing only the stacks it has no
-        entry for (every row of an entry is written, padding included)."""
+        entry for (every row of an entry is written, padding included). A `SlotImageFile` is read
+        from its file straight into the slot's stacks."""
         pool, local = self.pool_of(slot)
         if image.pool_rank != self.pools[pool][0] or image.dtype != self.dtype:
             raise InvalidAdapterWeightsError(
                 f"image for a rank-{image.pool_rank} {image.dtype} slot, slot {slot} is rank "
                 f"{self.pools[pool][0]} {self.dtype}")
-        t = image.tensors
-        for li, groups in enumerate(self.layers):
-            for gname, layer in groups.items():
-                layer.write_slot(pool, local, t.get(image_key(li, gname, "A")),
-                                 [t.get(image_key(li, gname, f"B{m}")) for m in range(len(layer.modules))])
+        with image.sources() as t:
+            for li, groups in enumerate(self.layers):
+                for gname, layer in groups.items():
+                    layer.write_slot(pool, local, t.get(image_key(li, gname, "A")),
+                                     [t.get(image_key(li, gname, f"B{m}")) for m in range(len(layer.modules))])
 
     def reset_adapter(self, slot: int) -> None:
         pool, local = self.pool_of(slot)

@@ -413,3 +413,66 @@ async def test_popular_adapters_are_prefetched_back_into_ram_and_free_slots(engi
     finally:
         await unmount_all(engine, cache)
         await cache.close()
+
+
+def _moved(cache, tier: str) -> float:
+    return cache.metrics.bytes_moved.labels(tier=tier)._value.get()
+
+
+async def test_disk_to_slot_reads_the_slot_image_straight_into_the_slot(engine, service_archives, tmp_path):
+    """disk -> slot is one read of the slot image into the slot: no RAM copy is mounted from on the
+    request's path, the greedy tokens equal those after a RAM mount, the RAM copy follows in the
+    background, and a later eviction from the slot demotes the adapter to RAM, not to disk."""
+    arch = service_archives
+    a = arch.good["c0001"]
+    cache, source = await make_cache(engine, arch, tmp_path)
+    prompt = list(range(5, 17))
+    try:
+        assert await cache.acquire(a) == "remote"  # fetched, built in RAM, mounted from RAM
+        done, from_ram = _generate(engine, a, "from-ram", prompt, 24)
+        assert await asyncio.to_thread(done.wait, 60)
+        cache.release(a)
+        await cache.unload(a)  # out of the slot and RAM; the verified folder and its image stay
+        assert cache.tier_of(a) == "disk" and (tmp_path / "adapters" / a / "slot-image.safetensors").exists()
+        ram_before, disk_before = _moved(cache, "ram"), _moved(cache, "disk")
+        assert await cache.acquire(a) == "disk"
+        assert _moved(cache, "ram") == ram_before  # nothing was copied into the slot out of RAM
+        assert _moved(cache, "disk") > disk_before and source.fetches == [a]
+        done, from_disk = _generate(engine, a, "from-disk", prompt, 24)
+        assert await asyncio.to_thread(done.wait, 60)
+        assert from_disk == from_ram and from_disk[-1] == "length"
+        cache.release(a)
+        for _ in range(200):  # the RAM copy is read off the request's path
+            if a in cache.ram_adapters():
+                break
+            await asyncio.sleep(0.05)
+        assert a in cache.ram_adapters()
+        await cache._evict_slot(a)  # a demotion: the adapter stays in host RAM
+        assert cache.tier_of(a) == "ram" and await cache.acquire(a) == "ram"
+        cache.release(a)
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_a_truncated_slot_image_fails_only_its_load_and_the_folder_is_rebuilt(engine, service_archives, tmp_path):
+    """A slot image cut short on disk: that load fails with an error (nothing half-mounted stays
+    in the slot), other adapters still load, and the next request for it works again."""
+    arch = service_archives
+    a, b = arch.good["c0001"], arch.good["c0004"]
+    cache, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        await cache.prefetch(a, to_ram=False)
+        image = tmp_path / "adapters" / a / "slot-image.safetensors"
+        image.write_bytes(image.read_bytes()[:-1000])
+        with pytest.raises(AdapterLoadError):
+            await cache.acquire(a)
+        assert a not in cache.gpu_adapters() and a not in engine.mounted_adapters()
+        assert await cache.acquire(b) == "remote"
+        cache.release(b)
+        assert await cache.acquire(a) == "disk"  # from the verified PEFT files, image rebuilt
+        cache.release(a)
+        assert image.exists() and a in cache.ram_adapters()
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
