@@ -14,7 +14,10 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from archives.digest import bytes_sha256, copy_and_hash
 from archives.errors import ArchiveError, ChecksumError, CorruptArchiveError
@@ -22,6 +25,53 @@ from archives.fsutil import fsync_dir
 from archives.manifest import MANIFEST_NAME, MEMBER_NAMES, PAYLOAD_NAMES, SIGNATURE_NAME, Manifest
 from archives.reader import open_archive
 from archives.verify import TrustedKeys, verify_open_archive
+
+
+class Staging:
+    """Temp files in `dest` (names we choose, never a path from the tar) that become
+    `dest/<member>` together on `commit`, or vanish. Made by `staging()`."""
+
+    def __init__(self, dest: Path):
+        self.dest = dest
+        self.temps: dict[str, str] = {}
+
+    def open(self, name: str) -> BinaryIO:
+        """A new temp file for member `name` (`dest` is created on the first one)."""
+        self.dest.mkdir(parents=True, exist_ok=True)
+        fd, self.temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=self.dest)
+        return os.fdopen(fd, "wb")
+
+    def write(self, name: str, data: bytes) -> None:
+        with self.open(name) as out:
+            out.write(data)
+
+    def path(self, name: str) -> Path:
+        return Path(self.temps[name])
+
+    def commit(self) -> None:
+        for name in MEMBER_NAMES:
+            os.replace(self.temps.pop(name), self.dest / name)
+
+
+@contextmanager
+def staging(dest_dir: str | os.PathLike) -> Iterator[Staging]:
+    """Stage an extraction into `dest_dir`: on any failure inside the block the temp files are
+    removed, and `dest_dir` too if this call created it; an OSError becomes ArchiveError."""
+    dest = Path(dest_dir)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ArchiveError(f"extraction target {dest} exists and is not a folder")
+    created = not dest.exists()
+    stage = Staging(dest)
+    try:
+        yield stage
+    except BaseException as e:
+        for tmp in stage.temps.values():
+            Path(tmp).unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ArchiveError(f"cannot extract into {dest}: {e.strerror or e}") from None
+        raise
 
 
 def extract_archive(
@@ -39,10 +89,7 @@ def extract_archive(
 
     Raises an ArchiveError subclass; on failure nothing of this call remains in `dest_dir`.
     """
-    dest = Path(dest_dir)
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise ArchiveError(f"extraction target {dest} exists and is not a folder")
-    with open_archive(path) as reader:
+    with staging(dest_dir) as stage, open_archive(path) as reader:
         verified = verify_open_archive(
             reader, trusted_keys, base_model_hash=base_model_hash, max_rank=max_rank,
             base_config=base_config, progress=progress,
@@ -53,37 +100,23 @@ def extract_archive(
             SIGNATURE_NAME: bytes_sha256(verified.signature),
             **{name: manifest.files[name].sha256 for name in PAYLOAD_NAMES},
         }
-        created = not dest.exists()
-        temps: dict[str, str] = {}
-        try:
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in MEMBER_NAMES:
-                fd, temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
-                with os.fdopen(fd, "wb") as out:
-                    try:
-                        with reader.open_member(name) as src:
-                            digest = copy_and_hash(
-                                src, out, reader.size(name), desc=f"extract {name}", progress=progress
-                            )
-                    except (EOFError, tarfile.TarError):  # the file shrank after verification
-                        raise CorruptArchiveError(f"member {name!r} is truncated") from None
-                    if digest != expected[name]:
-                        raise ChecksumError(
-                            f"{name} changed while being extracted (archive modified after verification)"
+        for name in MEMBER_NAMES:
+            with stage.open(name) as out:
+                try:
+                    with reader.open_member(name) as src:
+                        digest = copy_and_hash(
+                            src, out, reader.size(name), desc=f"extract {name}", progress=progress
                         )
-                    out.flush()
-                    os.fsync(out.fileno())
-            for name in MEMBER_NAMES:
-                os.replace(temps.pop(name), dest / name)
-            fsync_dir(dest)
-        except BaseException as e:
-            for tmp in temps.values():
-                Path(tmp).unlink(missing_ok=True)
-            if created:
-                shutil.rmtree(dest, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise ArchiveError(f"cannot extract into {dest}: {e.strerror or e}") from None
-            raise
+                except (EOFError, tarfile.TarError):  # the file shrank after verification
+                    raise CorruptArchiveError(f"member {name!r} is truncated") from None
+                if digest != expected[name]:
+                    raise ChecksumError(
+                        f"{name} changed while being extracted (archive modified after verification)"
+                    )
+                out.flush()
+                os.fsync(out.fileno())
+        stage.commit()
+        fsync_dir(stage.dest)
     return manifest
 
 
@@ -103,38 +136,18 @@ def extract_archive_one_pass(
     `dest_dir/<member>` only after every check passed, and are removed otherwise. No fsync: for
     caches that re-check checksums after a crash (the replica's disk tier), not for the archive
     of record. Returns the manifest; raises an ArchiveError subclass."""
-    dest = Path(dest_dir)
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise ArchiveError(f"extraction target {dest} exists and is not a folder")
-    created = not dest.exists()
-    temps: dict[str, str] = {}
-    sinks = {}
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in PAYLOAD_NAMES:
-            fd, temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
-            sinks[name] = os.fdopen(fd, "wb")
-        with open_archive(path) as reader:
-            verified = verify_open_archive(
-                reader, trusted_keys, base_model_hash=base_model_hash, max_rank=max_rank,
-                base_config=base_config, sinks=sinks,
-            )  # fmt: skip
-        for f in sinks.values():
-            f.close()
-        for name, data in ((MANIFEST_NAME, verified.manifest_bytes), (SIGNATURE_NAME, verified.signature)):
-            fd, temps[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest)
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-        for name in MEMBER_NAMES:
-            os.replace(temps.pop(name), dest / name)
-    except BaseException as e:
-        for f in sinks.values():
-            f.close()
-        for tmp in temps.values():
-            Path(tmp).unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(dest, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise ArchiveError(f"cannot extract into {dest}: {e.strerror or e}") from None
-        raise
+    with staging(dest_dir) as stage:
+        sinks = {name: stage.open(name) for name in PAYLOAD_NAMES}
+        try:
+            with open_archive(path) as reader:
+                verified = verify_open_archive(
+                    reader, trusted_keys, base_model_hash=base_model_hash, max_rank=max_rank,
+                    base_config=base_config, sinks=sinks,
+                )  # fmt: skip
+        finally:
+            for f in sinks.values():
+                f.close()
+        stage.write(MANIFEST_NAME, verified.manifest_bytes)
+        stage.write(SIGNATURE_NAME, verified.signature)
+        stage.commit()
     return verified.manifest

@@ -33,7 +33,7 @@ _COMPRESSED_MAGIC = {
 }
 
 # What tarfile raises on malformed input; anything of these becomes CorruptArchiveError.
-_TAR_FAILURES = (tarfile.TarError, EOFError, ValueError, UnicodeError, OverflowError, OSError)
+TAR_FAILURES = (tarfile.TarError, EOFError, ValueError, UnicodeError, OverflowError, OSError)
 
 
 def _kind(m: tarfile.TarInfo) -> str:
@@ -50,6 +50,13 @@ def _kind(m: tarfile.TarInfo) -> str:
     if m.issparse():
         return "a sparse file"
     return f"not a regular file (tar type {m.type!r})"
+
+
+def check_uncompressed(head: bytes, name: str) -> None:
+    """Refuse a compressed archive by its first bytes (a clearer message than a bad tar header)."""
+    for magic, kind in _COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            raise CorruptArchiveError(f"archive {name} is {kind}-compressed; a .lar is an uncompressed tar")
 
 
 def check_member(m: tarfile.TarInfo) -> None:
@@ -90,11 +97,7 @@ class ArchiveReader:
         size = os.fstat(self._file.fileno()).st_size
         head = self._file.read(6)
         self._file.seek(0)
-        for magic, kind in _COMPRESSED_MAGIC.items():
-            if head.startswith(magic):
-                raise CorruptArchiveError(
-                    f"archive {self.path.name} is {kind}-compressed; a .lar is an uncompressed tar"
-                )
+        check_uncompressed(head, self.path.name)
         self.members: dict[str, tarfile.TarInfo] = {}
         try:
             self._tar = tarfile.open(fileobj=self._file, mode="r:")
@@ -108,7 +111,7 @@ class ArchiveReader:
             self._check_tail()
         except ArchiveError:
             raise
-        except _TAR_FAILURES as e:
+        except TAR_FAILURES as e:
             raise CorruptArchiveError(
                 f"archive {self.path.name} is not a readable tar: {e or type(e).__name__}"
             ) from None
@@ -141,7 +144,7 @@ class ArchiveReader:
         """A seekable reader of one allowed member's bytes (never a path on disk)."""
         try:
             f = self._tar.extractfile(self.members[name])
-        except _TAR_FAILURES as e:
+        except TAR_FAILURES as e:
             raise CorruptArchiveError(f"cannot read member {name!r}: {e}") from None
         assert f is not None  # regular files always have data
         return f
@@ -152,7 +155,7 @@ class ArchiveReader:
         try:
             with self.open_member(name) as f:
                 data = f.read(m.size)
-        except _TAR_FAILURES as e:
+        except TAR_FAILURES as e:
             raise CorruptArchiveError(f"cannot read member {name!r}: {e}") from None
         if len(data) != m.size:
             raise CorruptArchiveError(f"member {name!r} is truncated")

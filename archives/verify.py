@@ -37,6 +37,7 @@ from archives.manifest import (
     PAYLOAD_NAMES,
     SIGNATURE_NAME,
     WEIGHTS_NAME,
+    FileEntry,
     Manifest,
 )
 from archives.peft_dir import LoraSettings, check_adapter_config, check_lora_tensors
@@ -54,7 +55,7 @@ class VerifiedArchive:
     signer: str  # key_id of the trusted key that signed it
 
 
-def _trusted(keys: TrustedKeys | Ed25519PublicKey | str | os.PathLike) -> list[Ed25519PublicKey]:
+def trusted_list(keys: TrustedKeys | Ed25519PublicKey | str | os.PathLike) -> list[Ed25519PublicKey]:
     if isinstance(keys, Ed25519PublicKey):
         keys = [keys]
     elif isinstance(keys, str | os.PathLike):
@@ -72,57 +73,52 @@ def _require(reader: ArchiveReader, name: str) -> None:
         raise CorruptArchiveError(f"archive {reader.path.name} has no {name}")
 
 
-def verify_open_archive(
-    reader: ArchiveReader,
-    trusted_keys: TrustedKeys,
-    *,
-    base_model_hash: str | None = None,
-    max_rank: int | None = None,
-    base_config: dict | None = None,
-    progress: bool = False,
-    sinks: dict[str, BinaryIO] | None = None,
-) -> VerifiedArchive:
-    """verify_archive on an already opened archive; also returns the verified manifest bytes.
-
-    `sinks` (payload name -> writable file): the payload bytes are written there while they are
-    hashed (one pass for verify + extract). What lands in a sink is unverified until this returns:
-    the caller must discard the sinks when it raises."""
-    keys = _trusted(trusted_keys)
-    if SIGNATURE_NAME not in reader.members:
-        raise SignatureError(f"archive {reader.path.name} is not signed (no {SIGNATURE_NAME})")
-    _require(reader, MANIFEST_NAME)
-    signature = reader.read_bytes(SIGNATURE_NAME)
+def check_signature(
+    manifest_bytes: bytes, signature: bytes, keys: list[Ed25519PublicKey], archive_name: str
+) -> Ed25519PublicKey:
+    """Step 2: the trusted key whose Ed25519 signature over the raw manifest bytes is `signature`;
+    SignatureError when the signature is malformed or made by no trusted key."""
     if len(signature) != SIGNATURE_BYTES:
         raise SignatureError(
             f"{SIGNATURE_NAME} is {len(signature)} bytes, not a {SIGNATURE_BYTES}-byte Ed25519 signature"
         )
-    manifest_bytes = reader.read_bytes(MANIFEST_NAME)
     signer = signed_by(signature, manifest_bytes, keys)
     if signer is None:
         raise SignatureError(
-            f"manifest signature of {reader.path.name} matches none of the {len(keys)} trusted key(s): "
+            f"manifest signature of {archive_name} matches none of the {len(keys)} trusted key(s): "
             f"the manifest was modified or signed by an untrusted key"
         )
-    manifest = Manifest.from_bytes(manifest_bytes)
+    return signer
 
-    for name in PAYLOAD_NAMES:
-        _require(reader, name)
-        entry = manifest.files[name]
-        size = reader.size(name)
-        if size != entry.size:
-            raise ChecksumError(f"{name} is {size} bytes but the signed manifest says {entry.size}")
-        try:
-            with reader.open_member(name) as f:
-                sink = (sinks or {}).get(name)
-                digest = copy_and_hash(f, sink, size, desc=f"verify {name}", progress=progress)
-        except (EOFError, OSError, tarfile.TarError) as e:
-            raise CorruptArchiveError(f"member {name!r} is truncated: {e}") from None
-        if digest != entry.sha256:
-            raise ChecksumError(
-                f"{name} does not match its sha256 in the signed manifest (corrupted or tampered)"
-            )
 
-    settings = check_adapter_config(reader.read_bytes(CONFIG_NAME))
+def check_size(name: str, size: int, entry: FileEntry) -> None:
+    """Step 3, before a byte of the member is read: its size is the signed one."""
+    if size != entry.size:
+        raise ChecksumError(f"{name} is {size} bytes but the signed manifest says {entry.size}")
+
+
+def check_digest(name: str, digest: str, entry: FileEntry) -> None:
+    """Step 3: the member's sha256 is the signed one."""
+    if digest != entry.sha256:
+        raise ChecksumError(
+            f"{name} does not match its sha256 in the signed manifest (corrupted or tampered)"
+        )
+
+
+def check_content(
+    manifest: Manifest,
+    config_bytes: bytes,
+    weights: BinaryIO,
+    weights_size: int,
+    *,
+    base_model_hash: str | None = None,
+    max_rank: int | None = None,
+    base_config: dict | None = None,
+) -> None:
+    """Steps 4 and 5 on payload bytes whose checksums already matched the signed manifest:
+    adapter_config.json and the safetensors header (read from `weights`, a seekable file of
+    `weights_size` bytes) agree with the manifest and are servable; then base hash and rank limit."""
+    settings = check_adapter_config(config_bytes)
     if settings.rank != manifest.rank:
         raise InvalidAdapterError(
             f"manifest rank {manifest.rank} differs from {CONFIG_NAME} r={settings.rank}"
@@ -137,8 +133,7 @@ def verify_open_archive(
             f"{CONFIG_NAME} {settings.target_modules}"
         )
     try:
-        with reader.open_member(WEIGHTS_NAME) as f:
-            header = read_header(f, reader.size(WEIGHTS_NAME))
+        header = read_header(weights, weights_size)
     except ValueError as e:
         raise InvalidAdapterError(f"{WEIGHTS_NAME}: {e}") from None
     check_lora_tensors(
@@ -154,6 +149,51 @@ def verify_open_archive(
         raise RankLimitError(
             f"adapter {manifest.adapter_id} has rank {manifest.rank}, above the limit {max_rank}"
         )
+
+
+def verify_open_archive(
+    reader: ArchiveReader,
+    trusted_keys: TrustedKeys,
+    *,
+    base_model_hash: str | None = None,
+    max_rank: int | None = None,
+    base_config: dict | None = None,
+    progress: bool = False,
+    sinks: dict[str, BinaryIO] | None = None,
+) -> VerifiedArchive:
+    """verify_archive on an already opened archive; also returns the verified manifest bytes.
+
+    `sinks` (payload name -> writable file): the payload bytes are written there while they are
+    hashed (one pass for verify + extract). What lands in a sink is unverified until this returns:
+    the caller must discard the sinks when it raises."""
+    keys = trusted_list(trusted_keys)
+    if SIGNATURE_NAME not in reader.members:
+        raise SignatureError(f"archive {reader.path.name} is not signed (no {SIGNATURE_NAME})")
+    _require(reader, MANIFEST_NAME)
+    signature = reader.read_bytes(SIGNATURE_NAME)
+    manifest_bytes = reader.read_bytes(MANIFEST_NAME)
+    signer = check_signature(manifest_bytes, signature, keys, reader.path.name)
+    manifest = Manifest.from_bytes(manifest_bytes)
+
+    for name in PAYLOAD_NAMES:
+        _require(reader, name)
+        entry = manifest.files[name]
+        size = reader.size(name)
+        check_size(name, size, entry)
+        try:
+            with reader.open_member(name) as f:
+                sink = (sinks or {}).get(name)
+                digest = copy_and_hash(f, sink, size, desc=f"verify {name}", progress=progress)
+        except (EOFError, OSError, tarfile.TarError) as e:
+            raise CorruptArchiveError(f"member {name!r} is truncated: {e}") from None
+        check_digest(name, digest, entry)
+
+    config_bytes = reader.read_bytes(CONFIG_NAME)
+    with reader.open_member(WEIGHTS_NAME) as weights:
+        check_content(
+            manifest, config_bytes, weights, reader.size(WEIGHTS_NAME),
+            base_model_hash=base_model_hash, max_rank=max_rank, base_config=base_config,
+        )  # fmt: skip
     return VerifiedArchive(manifest, manifest_bytes, signature, key_id(signer))
 
 

@@ -8,7 +8,9 @@ Tiers
 - disk: verified, extracted archive folders under `<disk_dir>/adapters/<adapter_id>/`, bounded in
   bytes, LRU.
 - remote: the signed `.lar` in the object store (its `weights_uri` must lie inside the configured
-  store) or, without a store, the registry's archive download. An `AdapterSource` says where.
+  store) or, without a store, the registry's archive download. An `AdapterSource` says where. From
+  a remote (S3) store the archive is verified and extracted while it downloads (archives/stream.py),
+  never written whole; a local store's file is read in place.
 
 Every archive is verified (Ed25519 signature, checksums, base_model_hash == the served base, rank <=
 the limit) by `archives.extract.extract_archive` before a byte of it is used, and the tensors are
@@ -248,6 +250,7 @@ class AdapterCache:
         self.counters = self.policy.counters
         self.load_times = LoadTimes()
         self.prefetch_hits = 0
+        self.streamed_loads = 0  # remote loads verified and extracted while downloading (no archive file)
         self._prefetched: set[str] = set()  # brought in by prefetch/load, not yet asked for
         # Loads are background work: their threads run at a lower CPU priority (nice) than the decode
         # loop, so on a busy host a cold load slows itself down, not the running batch's tokens.
@@ -796,10 +799,15 @@ class AdapterCache:
         tmp = self.tmp_dir / f"{adapter_id}.{time.monotonic_ns()}"
         tmp.mkdir(parents=True)
         try:
-            # a local store's own file is read in place (no copy); a remote one lands in tmp
-            lar = await self.source.fetch(adapter_id, tmp / "archive.lar") or tmp / "archive.lar"
-            archive_bytes = lar.stat().st_size
-            manifest, la = await loop.run_in_executor(self._io, self._extract, adapter_id, lar, tmp / "x")
+            open_stream = getattr(self.source, "open_stream", None)
+            chunks = await open_stream(adapter_id) if open_stream is not None else None
+            if chunks is not None:  # a remote store: verified and extracted as it downloads, no archive file
+                manifest, la, archive_bytes = await self._extract_stream(adapter_id, chunks, tmp / "x")
+            else:
+                # a local store's own file is read in place (no copy); a registry download lands in tmp
+                lar = await self.source.fetch(adapter_id, tmp / "archive.lar") or tmp / "archive.lar"
+                archive_bytes = lar.stat().st_size
+                manifest, la = await loop.run_in_executor(self._io, self._extract, adapter_id, lar, tmp / "x")
             final = self.adapters_dir / adapter_id
             if final.exists():
                 shutil.rmtree(final, ignore_errors=True)
@@ -846,18 +854,39 @@ class AdapterCache:
 
         fut.add_done_callback(_written)
 
-    def _extract(self, adapter_id: str, lar: Path, dest: Path) -> tuple[dict, LoadedAdapter]:
-        """Verify (signature, checksums, base hash, rank limit) then extract; stamp the folder; check
-        the tensors and build the slot image into it."""
+    async def _extract_stream(self, adapter_id: str, chunks, dest: Path) -> tuple[dict, LoadedAdapter, int]:
+        """`_extract` of an archive streamed from the store: the io thread reads it through a bounded
+        pipe while it downloads. A failed download fails the extraction; a failed extraction stops
+        the download. Returns (manifest, adapter, archive bytes)."""
+        from archives.store.pipe import ChunkPipe
+
+        pipe = ChunkPipe(depth=8)
+        feeder = asyncio.get_running_loop().create_task(pipe.feed(chunks))
+        try:
+            manifest, la = await asyncio.get_running_loop().run_in_executor(
+                self._io, self._extract, adapter_id, pipe, dest)
+        finally:
+            pipe.close()
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        self.streamed_loads += 1
+        return manifest, la, pipe.nbytes
+
+    def _extract(self, adapter_id: str, lar, dest: Path) -> tuple[dict, LoadedAdapter]:
+        """Verify (signature, checksums, base hash, rank limit) then extract the archive at path `lar`
+        (or read from the stream `lar`); stamp the folder; check the tensors and build the slot image
+        into it."""
         from archives.extract import extract_archive_one_pass
+        from archives.stream import extract_archive_stream
 
         if not self.trusted_keys:
             from archives.errors import SignatureError
 
             raise SignatureError("no trusted public key configured (--trust): refusing unsigned trust")
         dest.mkdir(parents=True, exist_ok=True)
-        manifest = extract_archive_one_pass(lar, dest, self.trusted_keys, base_model_hash=self.base_model_hash,
-                                            max_rank=self.rank_limit)
+        extract = extract_archive_one_pass if isinstance(lar, Path) else extract_archive_stream
+        manifest = extract(lar, dest, self.trusted_keys, base_model_hash=self.base_model_hash,
+                           max_rank=self.rank_limit)
         man = manifest.model_dump(mode="json") if hasattr(manifest, "model_dump") else dict(manifest)
         if man.get("adapter_id") != adapter_id:
             raise AdapterLoadError(adapter_id, "invalid_adapter",

@@ -11,6 +11,7 @@ import abc
 import os
 import re
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from archives.errors import StoreError
@@ -80,6 +81,12 @@ class ObjectStore(abc.ABC):
     def local_path(self, key: str) -> Path | None:
         """The object's own file when this store is a local folder (read it in place, no copy);
         None for a remote store."""
+        return None
+
+    def open_stream(self, key: str) -> AsyncIterator[bytes] | None:
+        """The object's bytes, chunk by chunk as they download (to verify and extract an archive
+        while it arrives, see archives/store/pipe.py); None when the store has no such stream
+        (a local folder is read in place through `local_path`)."""
         return None
 
     async def close(self) -> None:

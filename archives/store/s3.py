@@ -14,7 +14,7 @@ import os
 import random
 import re
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
@@ -220,6 +220,35 @@ class S3Store(ObjectStore):
             fsync_dir(dest.parent)
 
         await self._call("get", key, download)
+
+    def open_stream(self, key: str) -> AsyncIterator[bytes]:
+        return self.iter_chunks(key)
+
+    async def iter_chunks(self, key: str, chunk_size: int = BLOCK) -> AsyncIterator[bytes]:
+        """The object's bytes in chunks of at most `chunk_size` as they download. Opening the object
+        is retried like every call; a failure in the body is not (its bytes were handed out already):
+        it raises StoreError, and so does a body shorter than its ContentLength (a truncated
+        download never looks like a complete object)."""
+        obj = self._object_key(key)
+        resp = await self._call("get", key, lambda c: c.get_object(Bucket=self.bucket, Key=obj))
+        expected, got = resp.get("ContentLength"), 0
+        body = resp["Body"]
+        try:
+            while True:
+                try:
+                    chunk = await body.read(chunk_size)
+                except Exception as e:  # botocore / aiohttp errors of the body stream
+                    raise self._as_store_error(e, "get", key) from None
+                if not chunk:
+                    break
+                got += len(chunk)
+                yield chunk
+        finally:
+            body.close()
+        if expected is not None and got != expected:
+            raise StoreError(
+                f"S3 get {self.uri_for(key)}: truncated, the download ended after {got} of {expected} bytes"
+            )
 
     async def exists(self, key: str) -> bool:
         obj = self._object_key(key)

@@ -2,7 +2,8 @@
 
 - `registry.RegistrySource`: production; metadata from the registry, bytes from the object store.
 - `catalog.CatalogSource`: standalone; a fixed `{adapter_id: weights_uri}` catalog into the store.
-- `store.StoreFetch`: fetch a `weights_uri` from the configured object store to a local file.
+- `store.StoreFetch`: fetch a `weights_uri` from the configured object store to a local file, or
+  stream it from a remote (S3) store.
 - `NoSource`: only adapters already on local disk are served.
 
 A source writes the signed archive; the cache verifies it before a byte of it is used.
@@ -26,6 +27,10 @@ class AdapterSource(Protocol):
         local file that already holds it (unverified either way: the cache verifies it)."""
 
     async def close(self) -> None: ...
+
+    # Optional: `async def open_stream(self, adapter_id) -> AsyncIterator[bytes] | None`, the archive's
+    # bytes as they download from a remote store (the cache verifies and extracts them on the way);
+    # None (or no such method) means `fetch`.
 
 
 class NoSource:

@@ -34,6 +34,11 @@ class CatalogSource(StoreFetch):
             raise AdapterNotFoundError(adapter_id)
         return await self.fetch_uri(adapter_id, self.catalog[adapter_id], dest)
 
+    async def open_stream(self, adapter_id: str):
+        if adapter_id not in self.catalog:
+            raise AdapterNotFoundError(adapter_id)
+        return self.stream_uri(adapter_id, self.catalog[adapter_id])
+
     async def close(self) -> None:
         if self.store is not None:
             await self.store.close()

@@ -53,10 +53,7 @@ class RegistrySource(StoreFetch):
         ad = await self._describe(adapter_id)
         return ad is not None and ad.get("status", "active") not in ("deleted", "disabled")
 
-    async def fetch(self, adapter_id: str, dest: Path) -> Path:
-        if self.store is None:
-            await self.client.download_archive(adapter_id, dest)
-            return dest
+    async def _weights_uri(self, adapter_id: str) -> str:
         uri = self._uris.get(adapter_id)
         if uri is None:
             ad = await self._describe(adapter_id)
@@ -65,7 +62,20 @@ class RegistrySource(StoreFetch):
             uri = ad.get("weights_uri")
         if not uri:
             raise AdapterLoadError(adapter_id, "store_error", "the registry has no weights_uri for it")
-        return await self.fetch_uri(adapter_id, uri, dest)
+        return uri
+
+    async def fetch(self, adapter_id: str, dest: Path) -> Path:
+        if self.store is None:
+            await self.client.download_archive(adapter_id, dest)
+            return dest
+        return await self.fetch_uri(adapter_id, await self._weights_uri(adapter_id), dest)
+
+    async def open_stream(self, adapter_id: str):
+        """The archive's bytes as they download from a remote store; None without a store (the
+        registry's download lands in a file) or for a local folder (read in place)."""
+        if self.store is None:
+            return None
+        return self.stream_uri(adapter_id, await self._weights_uri(adapter_id))
 
     async def close(self) -> None:
         if self._owns_client:

@@ -172,10 +172,10 @@ class _FlakyS3(threading.Thread):
     """A tiny HTTP server that answers `failures` requests with 503 SlowDown, then 200: a real
     network peer for the retry path (moto cannot be told to fail)."""
 
-    def __init__(self, failures: int):
+    def __init__(self, failures: int, body: bytes = b""):
         super().__init__(daemon=True)
         outer = self
-        self.failures, self.requests = failures, 0
+        self.failures, self.requests, self.body = failures, 0, body
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_HEAD(self):
@@ -184,6 +184,14 @@ class _FlakyS3(threading.Thread):
                 self.send_response(200 if ok else 503)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def do_GET(self):  # promises twice the body it sends, then hangs up: a truncated download
+                outer.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(2 * len(outer.body)))
+                self.end_headers()
+                self.wfile.write(outer.body)
+                self.close_connection = True
 
             def log_message(self, *args):
                 pass
@@ -230,3 +238,36 @@ async def test_s3_concurrent_first_calls(s3_endpoint, s3_bucket, tmp_path):
         assert await asyncio.gather(*(store.get_bytes(f"k{i}") for i in range(6))) == [
             bytes([i]) for i in range(6)
         ]
+
+
+async def test_open_stream(store):
+    """S3 streams an object chunk by chunk as it downloads; a local folder has no stream (its file is
+    read in place)."""
+    from archives.digest import BLOCK
+
+    data = os.urandom(2 * BLOCK + 17)
+    await store.put_bytes("a/big.lar", data)
+    chunks = store.open_stream("a/big.lar")
+    if isinstance(store, LocalStore):
+        assert chunks is None and store.local_path("a/big.lar").read_bytes() == data
+        return
+    got = [c async for c in chunks]
+    assert b"".join(got) == data and max(map(len, got)) <= BLOCK
+    with pytest.raises(ObjectNotFoundError):
+        async for _ in store.open_stream("a/missing.lar"):
+            pass
+
+
+async def test_s3_truncated_stream_is_an_error(s3_endpoint):  # s3_endpoint: credentials
+    """A body shorter than its Content-Length raises StoreError: it never ends like a whole object."""
+    server = _FlakyS3(failures=0, body=b"x" * 5000)
+    server.start()
+    try:
+        async with open_store("s3://bucket", endpoint_url=server.url, attempts=1) as s:
+            got = bytearray()
+            with pytest.raises(StoreError, match="not completed|truncated"):
+                async for chunk in s.open_stream("k.lar"):
+                    got += chunk
+            assert len(got) <= 5000
+    finally:
+        server.stop()

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from archives.store import S3Store
 from handler.cache import (
     AdapterCache,
     AdapterLoadError,
@@ -245,33 +246,134 @@ def test_rate_window():
     assert w.per_minute() == 1 and w.total == 4
 
 
-async def test_remote_tier_from_s3(engine, service_archives, tmp_path, s3_endpoint, s3_bucket):
-    """The object store may be S3 (moto here): the weights_uri must lie inside the configured bucket."""
+class RecordingS3Store(S3Store):
+    """The real S3Store, recording which download path the cache took."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.files: list[str] = []  # get_file: the archive written to a temp file
+        self.streams: list[str] = []  # open_stream: verified and extracted as it downloads
+
+    async def get_file(self, key, path):
+        self.files.append(key)
+        return await super().get_file(key, path)
+
+    def open_stream(self, key):
+        self.streams.append(key)
+        return super().open_stream(key)
+
+
+async def _s3_cache(engine, arch, tmp_path, s3_endpoint, s3_bucket, objects: dict[str, bytes]):
+    """A cache whose catalog points into an S3 bucket (moto) holding `objects` {adapter_id: archive}."""
     from archives.basehash import base_model_hash, read_base_config
     from archives.keys import load_public_keys
-    from archives.store import open_store
 
-    arch = service_archives
-    aid = arch.good["c0010"]
-    local = json.loads(arch.catalog.read_text())[aid]
-    s3 = open_store(f"s3://{s3_bucket}/farm", endpoint_url=s3_endpoint)
-    key = f"adapters/acme/{aid}.lar"
-    await s3.put_file(key, local.removeprefix("file://"))
-    catalog = {aid: s3.uri_for(key), "ad-00000000000000000bad": f"s3://other-bucket/farm/{key}"}
+    s3 = RecordingS3Store(s3_bucket, "farm", endpoint_url=s3_endpoint)
+    catalog = {}
+    for aid, data in objects.items():
+        await s3.put_bytes(f"adapters/acme/{aid}.lar", data)
+        catalog[aid] = s3.uri_for(f"adapters/acme/{aid}.lar")
+    catalog["ad-00000000000000000bad"] = f"s3://other-bucket/farm/adapters/acme/{aid}.lar"
     cache = AdapterCache(engine, base_config=read_base_config(engine.model_dir),
                          base_model_hash=base_model_hash(engine.model_dir),
                          trusted_keys=load_public_keys([str(arch.public_key)]), source=CatalogSource(catalog, s3),
-                         disk_dir=tmp_path, rank_limit=16)
+                         disk_dir=tmp_path, rank_limit=16, metrics=ReplicaMetrics())
     await cache.start()
+    return cache, s3
+
+
+def _archive_bytes(arch, aid) -> bytes:
+    return open(json.loads(arch.catalog.read_text())[aid].removeprefix("file://"), "rb").read()
+
+
+async def test_remote_tier_from_s3_streams_store_to_disk(engine, service_archives, tmp_path, s3_endpoint,
+                                                         s3_bucket):
+    """The object store may be S3 (moto here): the weights_uri must lie inside the configured bucket;
+    the archive is verified and extracted while it downloads (no archive file is ever written), the
+    extracted files are the archive's own bytes, and the adapter serves."""
+    import io
+    import tarfile
+
+    arch = service_archives
+    aid = arch.good["c0010"]
+    data = _archive_bytes(arch, aid)
+    cache, s3 = await _s3_cache(engine, arch, tmp_path, s3_endpoint, s3_bucket, {aid: data})
     try:
         assert await cache.acquire(aid) == "remote"
-        cache.release(aid)
+        try:
+            assert s3.streams == [f"adapters/acme/{aid}.lar"] and s3.files == [] and cache.streamed_loads == 1
+            assert cache.metrics.bytes_moved.labels(tier="remote")._value.get() == len(data)
+            assert list(cache.tmp_dir.iterdir()) == []
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                for m in tar.getmembers():
+                    assert (tmp_path / "adapters" / aid / m.name).read_bytes() == tar.extractfile(m).read()
+            done, toks = _generate(engine, aid, "s3-streamed", list(range(5, 17)), 8)
+            assert await asyncio.to_thread(done.wait, 60) and toks[-1] == "length" and len(toks) == 9
+        finally:
+            cache.release(aid)
         with pytest.raises(AdapterLoadError) as e:
             await cache.acquire("ad-00000000000000000bad")
         assert e.value.code == "store_error" and "outside the configured object store" in str(e.value)
     finally:
         await unmount_all(engine, cache)
         await cache.close()
+
+
+async def test_tampered_archive_in_s3_is_refused_while_it_streams(engine, service_archives, tmp_path,
+                                                                  s3_endpoint, s3_bucket):
+    """A weight byte flipped in the S3 object (signature still valid): refused as a checksum mismatch
+    during the download; nothing stays on disk (no archive file, no extracted folder, no temp
+    files) and nothing reaches a slot."""
+    import tarfile
+
+    arch = service_archives
+    victim = arch.good["c0004"]
+    data = bytearray(_archive_bytes(arch, victim))
+    with tarfile.open(json.loads(arch.catalog.read_text())[victim].removeprefix("file://")) as tar:
+        m = tar.getmember("adapter_model.safetensors")
+    data[m.offset_data + m.size - 3] ^= 0xFF
+    mounted_before = set(engine.mounted_adapters())
+    cache, s3 = await _s3_cache(engine, arch, tmp_path, s3_endpoint, s3_bucket, {victim: bytes(data)})
+    try:
+        with pytest.raises(AdapterLoadError) as e:
+            await cache.acquire(victim)
+        assert e.value.code == "checksum_mismatch" and "sha256" in str(e.value)
+        assert s3.streams == [f"adapters/acme/{victim}.lar"] and s3.files == []
+        assert set(engine.mounted_adapters()) == mounted_before and cache.tier_of(victim) == "remote"
+        assert list(cache.tmp_dir.iterdir()) == [] and list((tmp_path / "adapters").iterdir()) == []
+        assert cache.streamed_loads == 0 and cache.counters.load_errors == 1
+    finally:
+        await unmount_all(engine, cache)
+        await cache.close()
+
+
+async def test_registry_source_streams_only_from_a_remote_store(service_archives, s3_endpoint, s3_bucket):
+    """RegistrySource.open_stream: the weights_uri the registry names, streamed from S3; None from a
+    local folder (read in place) or without a store (the registry's own download)."""
+    from archives.store import open_store
+    from handler.sources import RegistrySource
+
+    class Registry:  # the registry client's get_adapter, answering for one adapter
+        def __init__(self, uri):
+            self.uri = uri
+
+        async def get_adapter(self, adapter_id):
+            return {"adapter_id": adapter_id, "weights_uri": self.uri, "status": "active"}
+
+    arch = service_archives
+    aid = arch.good["c0010"]
+    data = _archive_bytes(arch, aid)
+    s3 = open_store(f"s3://{s3_bucket}/farm", endpoint_url=s3_endpoint)
+    local = open_store(arch.store_url)
+    try:
+        await s3.put_bytes("adapters/acme/a.lar", data)
+        chunks = await RegistrySource(Registry(s3.uri_for("adapters/acme/a.lar")), s3).open_stream(aid)
+        assert b"".join([c async for c in chunks]) == data
+        in_place = json.loads(arch.catalog.read_text())[aid]
+        assert await RegistrySource(Registry(in_place), local).open_stream(aid) is None
+        assert await RegistrySource(Registry(in_place), None).open_stream(aid) is None
+    finally:
+        await s3.close()
 
 
 # ------------------------------------------------------------------------------ the cold path
