@@ -258,7 +258,7 @@ class AdapterCache:
                                       initializer=lower_thread_priority, initargs=(load_nice,))
         self._mount_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-mount",
                                                 initializer=lower_thread_priority, initargs=(load_nice,))
-        self._image_writes: dict[str, asyncio.Future] = {}  # slot images being written after a fetch
+        self._image_writes: dict[str, asyncio.Task] = {}  # slot images being written after a fetch
         self._ram_fills: dict[str, asyncio.Task] = {}  # RAM copies being read after a disk -> slot mount
         # tiers: the policy keeps what is where (and the LRU orders); this keeps the RAM tensors
         self._ram: dict[str, LoadedAdapter] = {}
@@ -836,15 +836,12 @@ class AdapterCache:
         (the waiting request mounts from RAM meanwhile); the next disk -> RAM read is then one read.
         Until it is written the folder is read the slow way, so a failed write costs only speed."""
         folder = self.adapters_dir / adapter_id
-        fut = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
-            self._io, save_slot_image, image, folder / IMAGE_FILE))
-        self._image_writes[adapter_id] = fut
 
-        def _written(f: asyncio.Future) -> None:
-            if self._image_writes.get(adapter_id) is f:
-                del self._image_writes[adapter_id]
-            if f.cancelled() or f.exception() is not None:
-                log.info("slot image of %s not written: %s", adapter_id, None if f.cancelled() else f.exception())
+        async def write() -> None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._io, save_slot_image, image, folder / IMAGE_FILE)
+            except Exception as e:
+                log.info("slot image of %s not written: %s", adapter_id, e)
                 return
             if self.policy.nbytes("disk", adapter_id) is None or not (folder / IMAGE_FILE).exists():
                 return  # evicted from disk meanwhile
@@ -852,7 +849,10 @@ class AdapterCache:
             self.policy.drop("disk", adapter_id)  # the folder grew by the image: account for it
             self._disk_evicted(self.policy.put("disk", adapter_id, _dir_bytes(folder)) or [])
 
-        fut.add_done_callback(_written)
+        # a task, not a future's callback: whoever awaits it sees the accounting done too
+        task = asyncio.get_running_loop().create_task(write())
+        self._image_writes[adapter_id] = task
+        task.add_done_callback(lambda t: self._image_writes.pop(adapter_id, None) if self._image_writes.get(adapter_id) is t else None)
 
     async def _extract_stream(self, adapter_id: str, chunks, dest: Path) -> tuple[dict, LoadedAdapter, int]:
         """`_extract` of an archive streamed from the store: the io thread reads it through a bounded
