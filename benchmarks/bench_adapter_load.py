@@ -322,3 +322,53 @@ def test_tpot_while_cold_adapters_load(benchmark, setup, load_report):
     if load_report is not None:
         load_report.note("adapter_load", "tpot_p99_ratio", round(ratio, 3))
     assert base and loaded
+
+
+@pytest.mark.parametrize("path", ["download", "stream"])
+def test_s3_store_to_slot(benchmark, setup, path, monkeypatch):
+    """store (S3: moto's server on loopback, in this process) -> slot through the real AdapterCache,
+    same 80 MB archive: `download` is the old path (the archive to a temp file, then verify + extract
+    in one pass), `stream` verifies and extracts while it downloads (archives/stream.py). Compare
+    the two medians of one run."""
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    from archives.keys import load_public_keys
+    from archives.store import open_store
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    loop = asyncio.new_event_loop()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client.create_bucket(Bucket=f"bench-{path}")
+        s3 = open_store(f"s3://bench-{path}/farm", endpoint_url=endpoint)
+        aid = setup["aid"]
+        key = f"adapters/bench/{aid}.lar"
+        loop.run_until_complete(s3.put_file(key, setup["lar"]))
+
+        class Source(CatalogSource):  # `download`: no stream offered, the cache takes fetch()
+            async def open_stream(self, adapter_id):
+                return await super().open_stream(adapter_id) if path == "stream" else None
+
+        cache = AdapterCache(StackEngine({RANK: 1}), base_config=BASE_CONFIG, base_model_hash=BASE_HASH,
+                             trusted_keys=load_public_keys([str(setup["pub"])]),
+                             source=Source({aid: s3.uri_for(key)}, s3),
+                             disk_dir=setup["root"] / f"disk-{path}", ram_bytes=1 << 30, disk_bytes=1 << 31, rank_limit=64, dtype=torch.bfloat16)
+        loop.run_until_complete(cache.start())
+        s = {"loop": loop, "cache": cache, "aid": aid}
+        nbytes = setup["lar"].stat().st_size
+        benchmark.extra_info.update({"tier": f"s3 remote ({path})", "bytes": nbytes})
+        benchmark.pedantic(_acquire, args=(s, "remote"), setup=lambda: _to_tier(s, "remote"), rounds=ROUNDS,
+                           iterations=1, warmup_rounds=1)
+        assert cache.streamed_loads == (ROUNDS + 1 if path == "stream" else 0)
+        loop.run_until_complete(cache.close())
+        loop.run_until_complete(s3.close())
+    finally:
+        loop.close()
+        server.stop()
