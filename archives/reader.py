@@ -108,6 +108,13 @@ class ArchiveReader:
                 if m.offset_data + m.size > size:
                     raise CorruptArchiveError(f"member {m.name!r} is truncated")
                 self.members[m.name] = m
+            canonical = [n for n in MEMBER_NAMES if n in self.members]
+            if list(self.members) != canonical:
+                # the format's order (build_archive's): a replica streaming from S3 cannot seek, so an
+                # archive accepted here must be readable front to back
+                raise UnsafeArchiveError(
+                    f"archive {self.path.name} has its members out of order ({', '.join(self.members)}); "
+                    f"the order is {', '.join(MEMBER_NAMES)}")
             self._check_tail()
         except ArchiveError:
             raise

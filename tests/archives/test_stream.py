@@ -132,8 +132,9 @@ def test_truncated_stream(good_archive, keys, tmp_path, keep):
 
 
 def test_members_out_of_order_are_refused(good_archive, keys, tmp_path):
-    """The file path can seek; the stream cannot, so it takes members only in the canonical order
-    (build_archive's): a payload before its turn, or the signature after the manifest's payload."""
+    """Members only in the canonical order (build_archive's): a payload before its turn, or the
+    signature after the manifest's payload. The stream cannot seek; the file path (the registry's
+    upload check) refuses the same archives, so nothing registered is unreadable from S3."""
     ms = read_members(good_archive)
     by_name = {m.name: m for m in ms}
     swapped = [by_name[n] for n in ("manifest.json", "manifest.sig", "adapter_model.safetensors",
@@ -146,7 +147,8 @@ def test_members_out_of_order_are_refused(good_archive, keys, tmp_path):
                                   (sig_first, UnsafeArchiveError, "out of order"),
                                   (sig_last, SignatureError, "not signed")):  # fmt: skip
         evil = write_tar(tmp_path / "evil.lar", members)
-        verify_archive(evil, [keys.public])  # a valid archive, only its order differs
+        with pytest.raises(UnsafeArchiveError, match="out of order"):  # signed and intact, only its order differs
+            verify_archive(evil, [keys.public])
         with _stream(evil) as f, pytest.raises(error, match=words):
             extract_archive_stream(f, tmp_path / "out", [keys.public])
         assert not (tmp_path / "out").exists()
