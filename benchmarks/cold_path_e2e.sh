@@ -5,7 +5,7 @@
 # `lorafarm adapters synth` uploads the same 200 adapters into each, and this tree's
 # `lorafarm loadtest --farm` drives each with the same workload. Results in OUT/before, OUT/after.
 #
-#   flock /tmp/measure.lock benchmarks/cold_path_e2e.sh /work/wt/pre13 var/e2e-cold
+#   flock /tmp/measure.lock benchmarks/cold_path_e2e.sh /work/wt/pre13 var/e2e-cold [after-first]
 set -euo pipefail
 OLD=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
@@ -47,9 +47,15 @@ PY
   PYTHONPATH=$NEW python -m lorafarm loadtest --farm "$state/farm.json" --key "$key" "${LOAD[@]}" --out "$OUT/$name" \
     2>&1 | grep '^lorafarm loadtest' || true
   stop_farm
+  cp -r "$state/logs" "$OUT/$name-logs" 2>/dev/null || true
   rm -rf "$state"
 }
 
-run_one before "$OLD"
-run_one after "$NEW"
+if [[ "${3:-}" == after-first ]]; then
+  run_one after "$NEW"
+  run_one before "$OLD"
+else
+  run_one before "$OLD"
+  run_one after "$NEW"
+fi
 echo "done $(date -u +%H:%M:%S)"

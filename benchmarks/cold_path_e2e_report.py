@@ -1,12 +1,13 @@
 """Tables and one PNG for issue 13's end-to-end figures, from the raw per-request CSVs of
 `lorafarm loadtest` (loadtests.runner.summarize: the same percentiles as the load-test report).
 
-    python benchmarks/cold_path_e2e_report.py --score var/e2e-score --cold var/e2e-cold \
-        --png docs/benchmarks/cold_path_e2e.png
+    python benchmarks/cold_path_e2e_report.py --score var/e2e-score4 var/e2e-score4b \
+        --cold var/e2e-cold var/e2e-cold2 --png docs/cold_path_e2e.png
 
---score: a `lorafarm loadtest --ab --ab-routings affinity,class-order` results folder (its
-steps/ab-<routing>-requests.csv); --cold: benchmarks/cold_path_e2e.sh's folder (before/, after/,
-each one `--farm` sweep step). Prints markdown: per variant and tier, requests, TTFT p50/p95 (ms),
+--score: `lorafarm loadtest --ab --ab-routings affinity,class-order` results folders (their
+steps/ab-<routing>-requests.csv); --cold: benchmarks/cold_path_e2e.sh's folders (before/, after/,
+each one `--farm` sweep step). Each folder's figures, then (several folders) the requests of all
+runs pooled per variant; the PNG draws the pooled ones. Prints markdown: per variant and tier, requests, TTFT p50/p95 (ms),
 the share of requests served from a device slot, and the replicas' device-hit rate where scraped.
 """
 
@@ -22,10 +23,13 @@ from loadtests.runner import TIERS, read_requests, summarize
 TIER_ORDER = ["all", *TIERS]
 
 
-def _variant(requests_csv: Path, window_s: float, row: dict | None) -> dict:
-    groups = {g["group"]: g for g in summarize(read_requests(requests_csv), window_s)}
-    hit = float(row["device_hit_rate"]) if row and row.get("device_hit_rate") not in (None, "") else math.nan
-    return {"groups": groups, "device_hit_rate": hit}
+def _variant(requests_csvs: list[Path], window_s: float, rows: list[dict]) -> dict:
+    """One variant over one or more runs: their measured requests pooled (window: the sum)."""
+    requests = [r for p in requests_csvs for r in read_requests(p)]
+    groups = {g["group"]: g for g in summarize(requests, window_s * len(requests_csvs))}
+    hits = [float(r["device_hit_rate"]) for r in rows if r and r.get("device_hit_rate") not in (None, "")]
+    rate = next((float(r["rate"]) for r in rows if r), math.nan)
+    return {"groups": groups, "device_hit_rate": sum(hits) / len(hits) if hits else math.nan, "rate": rate}
 
 
 def _csv_row(path: Path, run: str, group: str = "all") -> dict | None:
@@ -37,24 +41,37 @@ def _csv_row(path: Path, run: str, group: str = "all") -> dict | None:
         return next((r for r in csv.DictReader(f) if r["run"] == run and r["group"] == group), None)
 
 
-def load(score: Path | None, cold: Path | None) -> dict[str, dict[str, dict]]:
-    out: dict[str, dict[str, dict]] = {}
-    if score:
-        meta = json.loads((score / "meta.json").read_text())
-        out["score"] = {}
-        for routing, label in (("affinity", "expected-ttft"), ("class-order", "class-order")):
-            csv_path = score / "steps" / f"ab-{routing}-requests.csv"
-            if csv_path.exists():
-                out["score"][label] = _variant(csv_path, meta["duration"], _csv_row(score / "ab.csv", f"ab-{routing}"))
-    if cold:
-        out["cold"] = {}
-        for name in ("before", "after"):
-            d = cold / name
-            if not (d / "meta.json").exists():
-                continue
-            meta = json.loads((d / "meta.json").read_text())
-            csv_path = next((d / "steps").glob("sweep-*-requests.csv"))
-            out["cold"][name] = _variant(csv_path, meta["duration"], _csv_row(d / "sweep.csv", "sweep"))
+def _score_runs(d: Path) -> dict[str, tuple[Path, float, dict | None]]:
+    duration = json.loads((d / "meta.json").read_text())["duration"]
+    out = {}
+    for routing, label in (("affinity", "expected-ttft"), ("class-order", "class-order")):
+        csv_path = d / "steps" / f"ab-{routing}-requests.csv"
+        if csv_path.exists():
+            out[label] = (csv_path, duration, _csv_row(d / "ab.csv", f"ab-{routing}"))
+    return out
+
+
+def _cold_runs(d: Path) -> dict[str, tuple[Path, float, dict | None]]:
+    out = {}
+    for name in ("before", "after"):
+        if (d / name / "meta.json").exists():
+            duration = json.loads((d / name / "meta.json").read_text())["duration"]
+            csv_path = next((d / name / "steps").glob("sweep-*-requests.csv"))
+            out[name] = (csv_path, duration, _csv_row(d / name / "sweep.csv", "sweep"))
+    return out
+
+
+def load(dirs: list[Path], runs_of) -> dict[str, dict]:
+    """{variant: summary} per run folder ("name (DIR)") and, with several folders, pooled ("name, pooled")."""
+    per_dir = [(d, runs_of(d)) for d in dirs]
+    out: dict[str, dict] = {}
+    for d, runs in per_dir:
+        for name, (csv_path, duration, row) in runs.items():
+            out[f"{name} ({d.name})"] = _variant([csv_path], duration, [row])
+    if len(dirs) > 1:
+        for name in dict.fromkeys(n for _, runs in per_dir for n in runs):
+            got = [runs[name] for _, runs in per_dir if name in runs]
+            out[f"{name}, {len(got)} runs pooled"] = _variant([g[0] for g in got], got[0][1], [g[2] for g in got])
     return out
 
 
@@ -83,6 +100,7 @@ def table(variants: dict[str, dict]) -> str:
 
 
 def plot(data: dict[str, dict[str, dict]], png: Path) -> None:
+    """p95 TTFT per tier, one panel per comparison; pooled variants where there are several runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,6 +111,8 @@ def plot(data: dict[str, dict[str, dict]], png: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         variants = data[key]
+        pooled = {k: v for k, v in variants.items() if "pooled" in k}
+        variants = pooled or variants
         tiers = [t for t in TIER_ORDER if any(t in v["groups"] for v in variants.values())]
         width = 0.8 / len(variants)
         for i, (name, v) in enumerate(variants.items()):
@@ -105,8 +125,9 @@ def plot(data: dict[str, dict[str, dict]], png: Path) -> None:
                                 ha="center", va="bottom", fontsize=7)  # fmt: skip
         ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(tiers))], tiers)
         ax.set_ylabel("p95 TTFT (ms)")
-        ax.set_title(title, fontsize=10)
-        ax.legend()
+        ax.set_ylim(0, 1.25 * max(g["ttft_p95_ms"] for v in variants.values() for g in v["groups"].values()))
+        ax.set_title(f"{title}, {next(iter(variants.values()))['rate']:g} req/s", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -115,11 +136,12 @@ def plot(data: dict[str, dict[str, dict]], png: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--score", type=Path, default=None)
-    p.add_argument("--cold", type=Path, default=None)
+    p.add_argument("--score", type=Path, nargs="*", default=[], help="loadtest --ab results folders (pooled)")
+    p.add_argument("--cold", type=Path, nargs="*", default=[], help="cold_path_e2e.sh folders (pooled)")
     p.add_argument("--png", type=Path, default=None)
     a = p.parse_args()
-    data = load(a.score, a.cold)
+    data = {k: load(dirs, runs_of) for k, dirs, runs_of in (("cold", a.cold, _cold_runs), ("score", a.score, _score_runs))
+            if dirs}  # fmt: skip
     for key, variants in data.items():
         print(f"## {key}\n\n{table(variants)}\n")
     if a.png:
