@@ -634,7 +634,8 @@ class LoraHandler:
             replica_id=self.context.replica_id, base_model_hash=self.base_model_hash, models=list(self.models),
             gpu_adapters=[merged] if merged else self.cache.gpu_adapters(),
             ram_adapters=[] if merged else self.cache.ram_adapters(),
-            queue_depth=self.waiting(), running=int(st.running), tokens_in_flight=int(st.tokens_in_flight),
+            queue_depth=self.waiting(), engine_waiting=int(st.waiting), running=int(st.running),
+            tokens_in_flight=int(st.tokens_in_flight),
             evictions_per_min=self.metrics.evictions_per_min(), loads_per_min=self.metrics.loads_per_min(),
             kv_cache_usage=float(st.kv_cache_usage),
             adapters=({merged: HeldAdapter(tier="gpu")} if merged else

@@ -21,7 +21,10 @@ class ReplicaState(BaseModel):
     task: str = Field(default="generate", description="generate (chat/completions) | embed (embeddings)")
     gpu_adapters: list[str] = Field(default_factory=list, description="adapter ids mounted in device slots")
     ram_adapters: list[str] = Field(default_factory=list, description="adapter ids held in host RAM")
-    queue_depth: int = 0
+    queue_depth: int = Field(default=0, description="requests waiting: for the engine's batch, or for their adapter's load")
+    engine_waiting: int | None = Field(
+        default=None, description="of those, the ones waiting for the engine's batch (their adapter is ready): "
+                                  "what delays a request whose adapter is already on the device; None if not reported")
     running: int = 0
     tokens_in_flight: int = 0
     evictions_per_min: float = 0.0

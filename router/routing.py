@@ -14,7 +14,8 @@ Rules (DESIGN.md section 5):
   expected time to first token:
 
       expected_ttft_ms = queue_wait_ms + load_ms (+ owner_bias_ms for a non-owner that must fetch it)
-      queue_wait_ms    = queue_depth * view.queue_ms_per_request
+      queue_wait_ms    = engine_waiting * view.queue_ms_per_request   (requests queued for the batch:
+                         not those waiting for another adapter's load; queue_depth when not reported)
       load_ms          = 0 on the device; the replica's reported expected_load_ms for its RAM or
                          disk copy; its moving average for a remote load when it holds none
                          (the seed's 8 ms / 40 ms / 400 ms when it reports nothing)
@@ -82,11 +83,18 @@ class ReplicaSnapshot:
     tokens_in_flight: int = 0  # max(replica's last report, this router's own in-flight estimate)
     connections: int = 0  # requests in flight (router's count or the replica's running + queued)
     queue_depth: int = 0
+    engine_waiting: int | None = None  # queued for the batch (adapter ready); None: use queue_depth
     healthy: bool = True  # False after N health checks failed in a row
     state_fresh: bool = True  # False: last state fetch failed; lists above are the last known
     only_adapter: str | None = None  # a merged-mode replica: it serves this adapter and nothing else
     # foreign workers only: the models they report loaded (None: a lorafarm replica, whose base is loaded)
     loaded_models: frozenset[str] | None = None
+
+    def batch_queue(self) -> int:
+        """Requests ahead of a new one in the engine's queue. Requests waiting for another adapter's
+        load do not delay it (they wait for their own copy), so they are not counted when the replica
+        reports the difference."""
+        return self.queue_depth if self.engine_waiting is None else self.engine_waiting
 
     def expected_load_ms(self, adapter_id: str, tier: str) -> float:
         """What a request for `adapter_id` waits for its load here, from `tier` (gpu/ram/disk/remote)."""
@@ -229,7 +237,7 @@ def choose(
         expected = 0.0
         if adapter and affinity and view.score == EXPECTED_TTFT:
             tier = klass if klass in (GPU, RAM, DISK) else "remote"
-            expected = r.queue_depth * view.queue_ms_per_request + r.expected_load_ms(adapter, tier)
+            expected = r.batch_queue() * view.queue_ms_per_request + r.expected_load_ms(adapter, tier)
             if tier == "remote" and r.replica_id not in owner_ids:
                 expected += view.owner_bias_ms
         scored.append(_Scored(r, klass, view.overloaded(r), tiebreak(r), expected))

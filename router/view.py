@@ -85,6 +85,7 @@ class ReplicaEntry:
             tokens_in_flight=max(st.tokens_in_flight if st else 0, self.local_tokens),
             connections=max((st.running + st.queue_depth) if st else 0, self.local_connections),
             queue_depth=st.queue_depth if st else 0,
+            engine_waiting=st.engine_waiting if st else None,
             healthy=self.health_failures < health_failures_limit,
             state_fresh=self.state_ok,
         )

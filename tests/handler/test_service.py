@@ -158,6 +158,8 @@ async def test_load_unload_and_state(replica, service_archives):
         assert {a, b} <= set(state["ram_adapters"])
         assert state["base_model_hash"].startswith("sha256:") and state["models"] == ["dev-tiny"]
         assert state["loads_per_min"] >= 2
+        # idle: nothing queued for the batch, nothing waiting for a load
+        assert (state["queue_depth"], state["engine_waiting"]) == (0, 0)
         r = await http.post(replica.internal(f"adapters/{a}/unload"))
         assert r.status_code == 200 and "gpu" in r.json()["removed"]
         state = (await http.get(replica.internal("state"))).json()

@@ -235,6 +235,18 @@ def test_expected_ttft_queue_wait_against_load_time():
     assert ids(choose(req(), view))[0] == "r1"
 
 
+def test_requests_waiting_for_other_adapters_loads_do_not_count_as_queue():
+    """queue_depth also counts requests waiting for their own adapter's load; only the engine's batch
+    queue (engine_waiting) delays a request whose adapter is already on the device there."""
+    loading = dataclasses.replace(held("r0", "gpu", queue=3), engine_waiting=0)  # 3 waiting for loads
+    view = ViewSnapshot(replicas=(loading, held("r1", "ram", ms=20.0)))
+    assert ids(choose(req(), view)) == ["r0", "r1"]
+    batch_full = dataclasses.replace(held("r0", "gpu", queue=3), engine_waiting=3)
+    view = ViewSnapshot(replicas=(batch_full, held("r1", "ram", ms=20.0)))
+    assert ids(choose(req(), view)) == ["r1", "r0"]
+    assert loading.batch_queue() == 0 and held("r0", "gpu", queue=3).batch_queue() == 3  # not reported: all
+
+
 def test_class_order_score_ranks_by_class_then_strategy():
     # expected-TTFT (the default): the idle RAM copy beats the device copy behind 3 queued requests
     busy_gpu = ViewSnapshot(replicas=(held("r0", "gpu", queue=3), held("r1", "ram", ms=20.0)))
