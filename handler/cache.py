@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from handler.lora import SlotImage, SlotImageFile
+from handler.lora import SlotImage, SlotImageFile, pread_into
 from handler.errors import SAFE_ID_RE, AdapterLoadError, AdapterNotFoundError, check_adapter_id, error_code
 from handler.metrics import ReplicaMetrics
 from handler.slots import LoadTimes, SlotCounters, SlotPolicy
@@ -182,20 +182,15 @@ def open_slot_image(path: Path) -> SlotImageFile:
     return SlotImageFile(int(header.metadata["pool_rank"]), dtypes.pop(), {}, path=path, entries=entries)
 
 
-def read_slot_image(path: Path, *, pin_memory: bool = False) -> SlotImage:
-    """One read: the file's tensor bytes go straight into one (pinned) host buffer; every stack is
-    a view of it."""
-    image = open_slot_image(path)
+def read_slot_image(image: SlotImageFile, *, pin_memory: bool = False) -> SlotImage:
+    """The rest of an opened slot image in one read: the file's tensor bytes go straight into one
+    (pinned) host buffer; every stack is a view of it."""
     start = min((off for off, _, _ in image.entries.values()), default=0)
     end = max((off + n for off, n, _ in image.entries.values()), default=0)
     buf = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin_memory)
-    with open(path, "rb", buffering=0) as f:
-        view, got = memoryview(buf.numpy()), 0
-        while got < len(view):
-            n = os.preadv(f.fileno(), [view[got:]], start + got)
-            if n <= 0:
-                raise OSError(f"{path}: truncated")
-            got += n
+    with open(image.path, "rb", buffering=0) as f:
+        if pread_into(f.fileno(), buf, start) < end - start:
+            raise OSError(f"{image.path}: truncated")
     tensors = {name: buf[off - start : off - start + n].view(image.dtype).view(shape)
                for name, (off, n, shape) in image.entries.items()}
     return SlotImage(image.pool_rank, image.dtype, tensors)
@@ -643,10 +638,11 @@ class AdapterCache:
         return (adapter_id in self._images and adapter_id not in self._unverified
                 and adapter_id not in self._fetching and self.policy.nbytes("disk", adapter_id) is not None)
 
-    def _disk_image(self, adapter_id: str) -> LoadedAdapter:
-        """The verified folder's slot image, header only (`SlotImageFile`): mounting reads the rest."""
+    def _disk_image(self, adapter_id: str, man: dict | None = None) -> LoadedAdapter:
+        """The verified folder's slot image, header only (`SlotImageFile`): mounting reads the rest.
+        `man`: the folder's verified manifest when the caller has read it already."""
         d = self.adapters_dir / adapter_id
-        man = json.loads((d / VERIFIED_STAMP).read_text())["manifest"]
+        man = man if man is not None else json.loads((d / VERIFIED_STAMP).read_text())["manifest"]
         self._check_manifest(adapter_id, man)
         image = open_slot_image(d / IMAGE_FILE)
         rank = int(man["rank"])
@@ -845,9 +841,7 @@ class AdapterCache:
                 return
             if self.policy.nbytes("disk", adapter_id) is None or not (folder / IMAGE_FILE).exists():
                 return  # evicted from disk meanwhile
-            self._images.add(adapter_id)
-            self.policy.drop("disk", adapter_id)  # the folder grew by the image: account for it
-            self._disk_evicted(self.policy.put("disk", adapter_id, _dir_bytes(folder)) or [])
+            self._image_saved(adapter_id)
 
         # a task, not a future's callback: whoever awaits it sees the accounting done too
         task = asyncio.get_running_loop().create_task(write())
@@ -912,17 +906,20 @@ class AdapterCache:
         d = self.adapters_dir / adapter_id
         man = json.loads((d / VERIFIED_STAMP).read_text())["manifest"]
         if adapter_id in self._images and (d / IMAGE_FILE).exists():
-            self._check_manifest(adapter_id, man)
-            image = read_slot_image(d / IMAGE_FILE, pin_memory=self.pin_memory)
-            rank = int(man["rank"])
-            return LoadedAdapter(adapter_id, image, rank, float(man.get("alpha", rank)),
-                                 list(man.get("target_modules") or []), image.nbytes, man)
+            la = self._disk_image(adapter_id, man)
+            la.weights = read_slot_image(la.weights, pin_memory=self.pin_memory)
+            return la
         la = self._build(adapter_id, d, man)
-        if (d / IMAGE_FILE).exists():  # the folder grew by the image: account for it
-            self._images.add(adapter_id)
-            if self.policy.drop("disk", adapter_id) is not None:
-                self._disk_evicted(self.policy.put("disk", adapter_id, _dir_bytes(d)) or [])
+        if (d / IMAGE_FILE).exists():
+            self._image_saved(adapter_id)
         return la
+
+    def _image_saved(self, adapter_id: str) -> None:
+        """The folder now holds its slot image: next disk reads use it, and the disk tier counts the
+        folder's grown size."""
+        self._images.add(adapter_id)
+        if self.policy.drop("disk", adapter_id) is not None:
+            self._disk_evicted(self.policy.put("disk", adapter_id, _dir_bytes(self.adapters_dir / adapter_id)) or [])
 
     def _check_manifest(self, adapter_id: str, man: dict) -> None:
         rank = int(man["rank"])

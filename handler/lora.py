@@ -419,6 +419,18 @@ class SlotImage:
         yield self.tensors
 
 
+def pread_into(fd: int, dest: torch.Tensor, offset: int) -> int:
+    """Read file bytes from `offset` into contiguous host tensor `dest` until it is full or the file
+    ends; returns the bytes read."""
+    view, got = memoryview(dest.view(-1).view(torch.uint8).numpy()), 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 @dataclass
 class FileStack:
     """One stack of a `SlotImageFile`: `nbytes` at `offset` of an open file, in the slot dtype."""
@@ -435,12 +447,9 @@ class FileStack:
             raise InvalidAdapterWeightsError(f"image stack {self.shape} for a slot of {tuple(dest.shape)}")
         direct = dest.device.type == "cpu" and dest.is_contiguous()
         stage = dest if direct else torch.empty(self.shape, dtype=dest.dtype, pin_memory=dest.device.type == "cuda")
-        view, got = memoryview(stage.view(-1).view(torch.uint8).numpy()), 0
-        while got < self.nbytes:
-            n = os.preadv(self.fd, [view[got:]], self.offset + got)
-            if n <= 0:
-                raise InvalidAdapterWeightsError(f"slot image truncated at byte {self.offset + got}")
-            got += n
+        got = pread_into(self.fd, stage, self.offset)
+        if got < self.nbytes:
+            raise InvalidAdapterWeightsError(f"slot image truncated at byte {self.offset + got}")
         if not direct:
             dest.copy_(stage, non_blocking=True)
 

@@ -20,11 +20,15 @@ class StoreFetch:
             raise StoreError(f"weights_uri {uri!r} of {adapter_id} lies outside the configured object store")
         return key
 
+    def _local(self, key: str) -> Path | None:
+        """The store's own file for `key` when the store is a local folder, else None."""
+        return self.store.local_path(key) if hasattr(self.store, "local_path") else None
+
     async def fetch_uri(self, adapter_id: str, uri: str, dest: Path) -> Path:
         """The archive's path: the store's own file when the store is a local folder (read in place,
         no second full copy; the cache verifies what it reads), else `dest` after a download."""
         key = self._key(adapter_id, uri)
-        local = self.store.local_path(key) if hasattr(self.store, "local_path") else None
+        local = self._local(key)
         if local is not None:
             return local
         await self.store.get_file(key, dest)
@@ -34,7 +38,7 @@ class StoreFetch:
         """The archive's bytes as they download from a remote store (the cache verifies and extracts
         them on the way, no archive file); None for a local folder (read in place by `fetch_uri`)."""
         key = self._key(adapter_id, uri)
-        if hasattr(self.store, "local_path") and self.store.local_path(key) is not None:
+        if self._local(key) is not None:
             return None
         open_stream = getattr(self.store, "open_stream", None)
         return open_stream(key) if open_stream is not None else None
