@@ -314,6 +314,11 @@ class AdapterCache:
         return out
 
     async def close(self) -> None:
+        # background image writes and RAM fills: abandoned (the folder is re-checked on the next start)
+        pending = [*self._image_writes.values(), *self._ram_fills.values()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         try:
             await self.source.close()
         finally:
