@@ -313,6 +313,9 @@ class ReplicaService:
             placed = await self.registry.placements_for_replica(self.config.replica_id)
             cache = self.handler.cache
             owned = list((placed or {}).get("adapters") or [])
+            retirer = getattr(self, "retirer", None)
+            if retirer is not None:  # a version a deploy retired is owned still, but not pulled back in
+                owned = [a for a in owned if not retirer.is_retired(a)]
             if not first:
                 owned = [a for a in owned if not cache.is_local(a)]
             n_warm = self.config.prewarm if self.config.prewarm is not None else self.config.slots

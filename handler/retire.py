@@ -49,11 +49,17 @@ class Retirer:
         self.running: dict[str, asyncio.Task] = {}
         self.pending: dict[str, bool] = {}  # retired ids not unloaded yet -> purge disk; retried each step
         self.retired = 0  # unloads done (for tests and metrics)
+        self.unaliased: set[str] = set()  # retired by a deploy and not aliased again since
+
+    def is_retired(self, adapter_id: str) -> bool:
+        """A deploy retired it and no alias points to it again: owners must not pull it back."""
+        return adapter_id in self.unaliased
 
     async def step(self) -> None:
         table, self.etag = await self.registry.routing_table(self.etag)
         if table is not None:
             unload, purge = to_retire(self.previous, table)
+            self.unaliased = (self.unaliased | unload | purge) - pointed(table)
             self.previous = table
             for aid in unload | purge:
                 self.pending[aid] = self.pending.get(aid, False) or aid in purge

@@ -66,3 +66,17 @@ async def test_retirer_unloads_held_versions_once():
     await asyncio.gather(*r.running.values())
     assert sorted(cache.unloaded) == [("v0", True), ("v1", False)] and r.retired == 2
     assert cache.held == {"v2"}
+    # owners do not pull a retired version back (a periodic owner pull once refilled v1 after its unload)
+    assert r.is_retired("v1") and r.is_retired("v0") and not r.is_retired("v2")
+
+
+async def test_a_retired_version_aliased_again_is_no_longer_retired():
+    t0 = table({"t/a:prod": "v1"}, {"v1": "active", "v2": "active"})
+    t1 = table({"t/a:prod": "v2"}, {"v1": "active", "v2": "active"})
+    t2 = table({"t/a:prod": "v1"}, {"v1": "active", "v2": "active"})  # rollback
+    r = Retirer(Registry([t0, t1, t2]), Cache(set()))
+    await r.step()
+    await r.step()
+    assert r.is_retired("v1")
+    await r.step()
+    assert not r.is_retired("v1") and r.is_retired("v2")
