@@ -71,6 +71,8 @@ class ReplicaConfig:
     heartbeat_s: float = 1.0
     placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
     prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
+    attention: str = "auto"  # decode attention: auto | paged | gather (handler.engine.Engine)
+    compile: bool = False  # torch.compile the layer pieces of decode steps (CUDA graphs on cuda)
     pull_owned: bool = True
     prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
     prefetch_top: int = 16  # how many of the most requested adapters to keep warm
@@ -196,7 +198,7 @@ class ReplicaService:
             device=cfg.device, dtype=dtype, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots,
             rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
             ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
-            source=source, merged_adapter=cfg.merged_adapter)
+            source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
         await asyncio.to_thread(self.handler.initialize, ctx)

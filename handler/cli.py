@@ -116,6 +116,13 @@ def register(sub) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
+    p.add_argument("--attention", default="auto", choices=["auto", "paged", "gather"],
+                   help="decode attention: paged (read in place on the KV cache, a compiled kernel), gather "
+                        "(blocks copied out, then SDPA), or auto (paged where it compiles and is measured faster "
+                        "at startup; gathered meanwhile)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
+                        "cuda); compiles for a minute or more at first use")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; 429 above (default 256)")
     p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
     p.add_argument("--load-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
@@ -182,6 +189,7 @@ def build_config(args: argparse.Namespace):
         device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
         shutdown_grace_s=args.shutdown_grace_s,
         prefetch_interval_s=args.prefetch_interval_s, load_nice=args.load_nice,
+        attention=args.attention, compile=getattr(args, "compile", False),
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 

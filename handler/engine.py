@@ -53,7 +53,9 @@ import torch
 from handler.kvcache import KVCache
 from handler.lora import InvalidAdapterWeightsError, ModelLoRA, SlotImage, read_peft_adapter
 from handler.merge import MergedAdapter, merge_adapter
-from handler.model import Runner, build_step_batch
+from handler import paged_attention
+from handler.model import Runner, StepBuffers, bucket_rows, build_step_batch, to_device
+from handler.paged_attention import DecodeTables
 from handler.sampling import RowState, SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ class EngineStats:
     generated_tokens_total: int = 0
     kv_cache_capacity_tokens: int = 0
     preemptions: int = 0  # requests preempted (by recompute) because the KV cache ran out
+    attention: str = "gather"  # decode attention in use: "paged" (in place) or "gather"
 
 
 @dataclass
@@ -192,6 +195,8 @@ class Engine:
         block_size: int = 16,
         merged_adapter: MergedAdapter | None = None,
         kv_reserve: str = "demand",
+        attention: str = "auto",
+        compile: bool = False,
     ):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
@@ -202,7 +207,14 @@ class Engine:
         kv_reserve: "demand" (blocks as sequences grow, preemption when the cache runs out) or
         "max_tokens" (reserve prompt + max_tokens at admission; the pre-paging policy, kept for
         comparison).
+        attention: decode attention, "paged" (in place on the cache, `handler.paged_attention`),
+        "gather" (each bucket's blocks copied out, then SDPA) or "auto" (paged where it compiles and
+        is measured faster at startup).
+        compile: torch.compile the layer pieces for decode-only steps, padded to batch buckets
+        (`Runner.compile`; CUDA graphs on CUDA). Steps with prefill stay eager.
         """
+        if attention not in ("auto", "paged", "gather"):
+            raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
         if kv_reserve not in ("demand", "max_tokens"):
             raise ValueError(f"kv_reserve must be 'demand' or 'max_tokens', not {kv_reserve!r}")
         self.kv_reserve = kv_reserve
@@ -255,6 +267,17 @@ class Engine:
         self.max_context = min(self.config.max_position_embeddings, self.kv.capacity_tokens)
         if max_context is not None:
             self.max_context = min(self.max_context, int(max_context))
+        self._buffers = StepBuffers(self.device)
+        self.compiled = bool(compile)
+        if self.compiled:
+            self.runner.compile()
+        self.decode_tables: DecodeTables | None = None
+        self._paged_ready: DecodeTables | None = None
+        self._auto_attention = attention == "auto"
+        if attention == "paged":
+            self.decode_tables = self._probe_attention(required=True)
+        elif attention == "auto":  # serve gathered meanwhile: compiling takes seconds
+            threading.Thread(target=self._probe_attention, name="attention-probe").start()  # not daemon: a compile cut off at exit aborts the process
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -509,7 +532,46 @@ class Engine:
                 generated_tokens_total=self._gen_total,
                 kv_cache_capacity_tokens=self.kv.capacity_tokens,
                 preemptions=self._preemptions,
+                attention=self.attention,
             )
+
+    @property
+    def attention(self) -> str:
+        """The decode attention the next step uses: "paged" or "gather"."""
+        ready = self._paged_ready is not None and self._auto_attention
+        return "gather" if self.decode_tables is None and not ready else "paged"
+
+    def set_attention(self, attention: str) -> None:
+        """Use this decode attention ("paged" or "gather") from the next step on (benchmarks, tests)."""
+        if attention not in ("paged", "gather"):
+            raise ValueError(f"attention must be 'paged' or 'gather', not {attention!r}")
+        tables = self._probe_attention(required=True) if attention == "paged" else None
+        with self._step_lock:
+            self._auto_attention = False
+            self.decode_tables = tables
+
+    def _probe_attention(self, required: bool = False) -> DecodeTables | None:
+        """Compile, check and time the paged decode kernel (`paged_attention.probe`); with `required`
+        ("paged") a failure is an error, else ("auto") the step switches to it only when it is
+        measured faster than the gathered path."""
+        c = self.config
+        try:
+            p = paged_attention.probe(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
+                                      self.kv.block_size, windows=self.runner.windows, rows=min(self.max_batch, 32))
+        except Exception as e:  # noqa: BLE001 - the probe's own failure: stay on the gathered path
+            p = paged_attention.Probe(False, f"probe failed: {type(e).__name__}: {e}")
+        if required and not p.ok:
+            raise ValueError(f"attention 'paged': {p.reason}")
+        if not required and not p.faster:
+            log.info("decode attention: gathered (paged %s: %.3f / %.3f ms vs gathered %.3f / %.3f ms, mixed / short "
+                     "contexts)", p.reason, p.paged_ms, p.short_paged_ms, p.gathered_ms, p.short_gathered_ms)
+            return None
+        tables = DecodeTables(self.kv, self.max_batch)
+        if not required:
+            log.info("decode attention: paged (%.3f / %.3f ms vs gathered %.3f / %.3f ms, mixed / short contexts)",
+                     p.paged_ms, p.short_paged_ms, p.gathered_ms, p.short_gathered_ms)
+            self._paged_ready = tables  # taken by the next step
+        return tables
 
     def has_work(self) -> bool:
         with self._lock:
@@ -521,6 +583,10 @@ class Engine:
         """Admit, run one forward pass (bounded prefill + one decode token per running request),
         sample and emit events. Returns False when there was nothing to run."""
         with self._step_lock:
+            if self._paged_ready is not None:  # the background probe chose the paged kernel
+                if self._auto_attention:
+                    self.decode_tables = self._paged_ready
+                self._paged_ready = None
             events: list[tuple[_Request, TokenEvent]] = []
             with self._lock:
                 self._grow_decode_blocks()  # running rows first, then newcomers with what is left
@@ -544,16 +610,41 @@ class Engine:
                 batch_reqs = [r for r, _ in prefill] + decode
                 self._in_forward = {r.id for r in batch_reqs}
             try:
+                pad_to = bucket_rows(len(seqs)) if self.compiled and not prefill else None
                 batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
-                                         decode_from=len(prefill), pad_block=self.kv.null_block)
+                                         decode_from=len(prefill), pad_block=self.kv.null_block,
+                                         decode_tables=self.decode_tables, buffers=self._buffers, pad_to=pad_to,
+                                         scratch_slot=self.kv.scratch_block * self.kv.block_size)
+                if pad_to is not None:
+                    slots = slots + [0] * (pad_to - len(slots))
                 if self.lora is not None:
                     batch.lora = self.lora.prepare(slots, prefill=bool(prefill))
-                logits = self.runner.forward(batch, self.kv)
+                try:
+                    logits = self.runner.forward(batch, self.kv)
+                except Exception as e:  # noqa: BLE001 - re-raised unless the paged kernel's compile failed
+                    if self.decode_tables is None or not paged_attention.is_compile_error(e):
+                        raise
+                    if self.device.type == "cuda":  # the step buffers' pending copies, before refilling
+                        torch.cuda.synchronize(self.device)
+                    # a recompile of the paged kernel failed (a shape the probe did not see): the
+                    # gathered path from now on; the step is rerun (rewriting the same K/V is harmless)
+                    log.exception("paged decode attention failed; switching to the gathered path")
+                    self.decode_tables = None
+                    batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
+                                             decode_from=len(prefill), pad_block=self.kv.null_block,
+                                             buffers=self._buffers, pad_to=pad_to,
+                                             scratch_slot=self.kv.scratch_block * self.kv.block_size)
+                    batch.lora = self.lora.prepare(slots, prefill=bool(prefill)) if self.lora is not None else None
+                    logits = self.runner.forward(batch, self.kv)
                 # rows that produce a token: decode rows, and prefill rows whose prompt is complete
                 pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.ctx)]
                 pick += range(len(prefill), len(batch_reqs))
                 sreqs = [batch_reqs[i] for i in pick]
-                tokens = sample(logits[pick], [r.params for r in sreqs], [r.gen for r in sreqs]) if pick else []
+                if pick and pick != list(range(pick[0], pick[0] + len(pick))):
+                    picked = logits.index_select(0, to_device(torch.tensor(pick), self.device))  # no host sync
+                else:
+                    picked = logits[pick[0] : pick[0] + len(pick)] if pick else logits[:0]
+                tokens = sample(picked, [r.params for r in sreqs], [r.gen for r in sreqs]) if pick else []
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("engine step failed; failing %d requests", len(batch_reqs))
                 with self._lock:

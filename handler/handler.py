@@ -73,6 +73,8 @@ class HandlerContext:
     source: AdapterSource | None = None
     merged_adapter: str | None = None  # adapter id merged into the base weights (merged mode)
     merged_adapter_dir: Path | None = None  # its verified PEFT folder (set by the app)
+    attention: str = "auto"  # decode attention: auto | paged | gather
+    compile: bool = False  # torch.compile'd layer pieces for decode steps
 
 
 @dataclass
@@ -322,7 +324,8 @@ class LoraHandler:
         if not pools:
             pools = {context.limits.rank_limit: context.slots}
         kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
-                                  rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens)
+                                  rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens,
+                                  attention=context.attention, compile=context.compile)
         if context.kv_cache_bytes:
             kw["kv_cache_bytes"] = context.kv_cache_bytes
         if context.merged_adapter:
@@ -648,6 +651,7 @@ class LoraHandler:
         self.metrics.num_requests_waiting.set(self.waiting())
         self.metrics.tokens_in_flight.set(st.tokens_in_flight)
         self.metrics.kv_cache_usage_perc.set(st.kv_cache_usage)
+        self.metrics.decode_attention_paged.set(1 if st.attention == "paged" else 0)
 
 
 def load_error_to_openai(e: AdapterLoadError) -> oai.OpenAIError:

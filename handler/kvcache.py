@@ -37,10 +37,12 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.num_blocks = block_size, num_blocks
         self.dtype, self.device = dtype, torch.device(device)
-        # one block more than the pool: the null block, never handed out and always zero, pads block
-        # tables so a padded key never reads another sequence's values
+        # two blocks more than the pool, never handed out: the null block, always zero, pads block
+        # tables so a padded key never reads another sequence's values; the scratch block takes the
+        # writes of a bucketed step's padding rows (compiled decode), and is never read
         self.null_block = num_blocks
-        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks + 1
+        shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first

@@ -102,6 +102,11 @@ class ReplicaMetrics:
             registry=r)
         self.kv_cache_usage_perc = Gauge(
             "lorafarm_kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).", registry=r)
+        self.decode_attention_paged = Gauge(
+            "lorafarm_decode_attention_paged",
+            "1 when decode attention reads the paged KV cache in place (the compiled kernel), 0 when it "
+            "gathers each bucket's blocks (--attention; auto switches once its startup probe finishes).",
+            registry=r)
         self.adapter_slot_hits = Counter(
             "lorafarm_adapter_slot_hits", "Requests whose adapter was already in a device slot.", registry=r)
         self.adapter_slot_misses = Counter(

@@ -255,6 +255,34 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+class StepBuffers:
+    """Persistent device buffers for the per-step index tensors (token ids, positions, cache slots,
+    logits rows), filled from persistent pinned host buffers with non-blocking copies: no allocation
+    and no host sync per step, and fixed device addresses. Each name is written once per step; the
+    host staging is reused safely because a step reads its sampled tokens (a sync) before the next
+    one builds. On CPU the host tensor is used as it is."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._host: dict[str, torch.Tensor] = {}
+        self._dev: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, values: list[int]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=torch.long)
+        n = len(values)
+        host = self._host.get(name)
+        if host is None or host.numel() < n:
+            cap = max(n, 256, 2 * (host.numel() if host is not None else 0))
+            host = torch.empty(cap, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self._host[name] = host
+            self._dev[name] = torch.empty(cap, dtype=torch.long, device=self.device)
+        host[:n].copy_(torch.tensor(values, dtype=torch.long))
+        out = self._dev[name][:n]
+        out.copy_(host[:n], non_blocking=True)
+        return out
+
+
 @dataclass
 class AttnGroup:
     """Query tokens of one step attended together by one `scaled_dot_product_attention` call.
@@ -267,7 +295,10 @@ class AttnGroup:
                   continuation (tokens [start, end), mask [1, 1, L, nb*bs]), or a bucket of decode
                   rows (`index` [B]: their token indices; mask [B, 1, 1, nb*bs]). Decode rows are
                   bucketed by context length (within a bucket the longest is < 2x the shortest
-                  + one block), so one long row pads only its own bucket, not every row.
+                  + one block), so one long row pads only its own bucket, not every row;
+    kind "paged": every decode row of the step (tokens [start, end)), attended in place on the
+                  cache by `handler.paged_attention` (no gather, no padding; `paged` holds the
+                  block tables).
     """
 
     kind: str
@@ -278,6 +309,7 @@ class AttnGroup:
     index: torch.Tensor | None  # decode buckets: token indices of the rows, else None (the range)
     block_tables: torch.Tensor | None  # [B, nb] long (kind "cache")
     masks: dict  # window (None or int) -> bool mask or None (plain causal)
+    paged: Any = None  # kind "paged": handler.paged_attention.PagedDecode
 
 
 @dataclass
@@ -290,6 +322,7 @@ class StepBatch:
     groups: list[AttnGroup]
     logits_index: torch.Tensor | None  # [R] flat token indices whose logits are wanted (None: all)
     lora: Any = None  # handler.lora.LoRABatch or None
+    rows: int | None = None  # a bucketed decode step: its real rows (the rest are padding)
 
 
 def _window_mask(qpos: torch.Tensor, klen: int, w: int | None) -> torch.Tensor:
@@ -325,15 +358,24 @@ def build_step_batch(
     decode_from: int | None = None,
     all_logits: bool = False,
     pad_block: int = 0,
+    decode_tables=None,
+    buffers: StepBuffers | None = None,
+    pad_to: int | None = None,
+    scratch_slot: int = 0,
 ) -> StepBatch:
     """Metadata for one forward over `seqs` = [(new token ids, start position, block table)].
 
     Sequences at index >= `decode_from` carry exactly one token each and are decode rows; the ones
     before are prefill chunks, each attended at its own length (varlen: never padded to another
     chunk). Logits are computed for the last token of each sequence (or for every token with
-    all_logits). Block tables are padded with `pad_block` (the cache's zero null block). Index
-    tensors are built on the host and moved with `to_device` (pinned,
-    non-blocking on CUDA).
+    all_logits). Block tables are padded with `pad_block` (the cache's zero null block). With
+    `decode_tables` (a `handler.paged_attention.DecodeTables`) the decode rows form one "paged"
+    group read in place; without, they are bucketed and gathered. Index tensors are built on the
+    host and moved with `to_device` or into `buffers` (pinned, non-blocking on CUDA).
+
+    `pad_to` (decode rows only): a bucketed step of `pad_to` rows, the rows past the real ones
+    being padding (token 0 at position 0, K/V written to `scratch_slot`, attention zero); logits
+    are those of the real rows (`StepBatch.rows`).
     """
     n = len(seqs)
     decode_from = n if decode_from is None else decode_from
@@ -380,6 +422,10 @@ def build_step_batch(
         i += 1
     dec = list(range(decode_from, n))
     ctx = [seqs[i][1] + 1 for i in dec]
+    if dec and decode_tables is not None:  # decode rows are the step's last tokens, one each
+        meta = decode_tables.build(ctx, [seqs[i][2] for i in dec], windows)
+        groups.append(AttnGroup("paged", first[decode_from], len(tok), len(dec), 1, None, None, {}, meta))
+        dec = []
     for bucket in _decode_buckets(ctx, block_size) if dec else []:
         rows = [dec[b] for b in bucket]
         nb = max(-(-ctx[b] // block_size) for b in bucket)
@@ -387,13 +433,130 @@ def build_step_batch(
         masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(len(rows), 1, 1, -1), device) for w in windows}
         index = to_device(torch.tensor([first[r] for r in rows], dtype=torch.long), device)
         groups.append(AttnGroup("cache", -1, -1, len(rows), 1, index, tables(rows, nb), masks))
+    buffers = buffers or StepBuffers(device)
+    rows = None
+    if pad_to is not None:
+        if decode_from != 0 or pad_to < n:
+            raise ValueError("pad_to is for steps of decode rows only, at least as many as the rows")
+        rows, all_logits = n, True
+        extra = pad_to - n
+        tok, pos, slots = tok + [0] * extra, pos + [0] * extra, slots + [scratch_slot] * extra
     return StepBatch(
-        token_ids=to_device(torch.tensor(tok, dtype=torch.long), device),
-        positions=to_device(torch.tensor(pos, dtype=torch.long), device),
-        cache_slots=to_device(torch.tensor(slots, dtype=torch.long), device),
+        rows=rows,
+        token_ids=buffers.put("token_ids", tok),
+        positions=buffers.put("positions", pos),
+        cache_slots=buffers.put("cache_slots", slots),
         groups=groups,
-        logits_index=None if all_logits else to_device(torch.tensor(last, dtype=torch.long), device),
+        logits_index=None if all_logits else buffers.put("logits_index", last),
     )
+
+
+def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, kv, layer: int,
+                window: int | None) -> torch.Tensor:
+    """Attention of every query token of the step, group by group: [T, H, D] (padding rows of a
+    bucketed step stay zero)."""
+    out = (torch.zeros_like if batch.rows is not None else torch.empty_like)(q)
+    for g in batch.groups:
+        if g.index is None:
+            sl = slice(g.start, g.end)
+            out[sl] = attend_group(q[sl], k[sl], v[sl], g, kv, layer, window)
+        else:
+            out.index_copy_(0, g.index, attend_group(q[g.index], None, None, g, kv, layer, window))
+    return out
+
+
+def attend_group(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: AttnGroup, kv, layer: int,
+                 window: int | None) -> torch.Tensor:
+    """Attention of one group's queries; q [n, H, D] and the step's own k, v [n, KVH, D] for
+    kind "self"; returns [n, H, D]. GQA goes to SDPA as `enable_gqa` (no repeated heads)."""
+    H, D = q.shape[1], q.shape[2]
+    KVH = kv.num_kv_heads
+    gqa = KVH != H
+    if g.kind == "paged":
+        from handler import paged_attention
+
+        return paged_attention.attend(q, kv.k[layer], kv.v[layer], g.paged, window)
+    if g.kind == "self":
+        B, L = g.num_seqs, g.max_q
+        qb = q.view(B, L, H, D).transpose(1, 2)
+        kb = k.view(B, L, KVH, D).transpose(1, 2)
+        vb = v.view(B, L, KVH, D).transpose(1, 2)
+        mask = g.masks[window]
+        if mask is None:
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(B * L, H, D)
+    B, L = g.num_seqs, g.max_q
+    kc, vc = kv.gather(layer, g.block_tables)  # [B, KVH, nb*bs, D]: the group's own blocks only
+    qb = q.view(B, L, H, D).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=g.masks[window], enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(B * L, H, D)
+
+
+# ------------------------------------------------------------------------------- layer pieces
+# The layer between its LoRA and attention calls, as plain tensor functions shared by every layer.
+# Eager by default; `Runner.compile` wraps each in torch.compile for bucketed decode steps (static
+# shapes): fused element-wise work on CPU, and on CUDA mode "reduce-overhead", one CUDA graph per
+# piece and bucket. That is vLLM's piecewise graph: the pieces are captured, and what changes from
+# step to step (which adapter each row uses, which blocks each row reads) stays outside them.
+
+
+def _attn_in(x, d, norm, w, b, eps: float):
+    """The residual of the previous layer's MLP (d, None on the first layer), RMSNorm, fused q/k/v."""
+    if d is not None:
+        x = x + d
+    h = rms_norm(x, norm, eps)
+    return x, h, F.linear(h, w, b)
+
+
+def _rope(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
+    """q, k (rotated) and v of the fused q/k/v output."""
+    T = qkv.shape[0]
+    qd, kvd = heads * head_dim, kv_heads * head_dim
+    q = qkv[:, :qd].view(T, heads, head_dim)
+    k = qkv[:, qd : qd + kvd].view(T, kv_heads, head_dim)
+    v = qkv[:, qd + kvd :].view(T, kv_heads, head_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def _linear(x, w, b):
+    return F.linear(x, w, b)
+
+
+def _mlp_in(x, o, norm, w, b, eps: float):
+    """The attention residual, RMSNorm, fused gate/up."""
+    x = x + o
+    h = rms_norm(x, norm, eps)
+    return x, h, F.linear(h, w, b)
+
+
+def _mlp_out(gu, w, b, act: str):
+    half = gu.shape[1] // 2
+    m = _ACTS[act](gu[:, :half]) * gu[:, half:]
+    return m, F.linear(m, w, b)
+
+
+def _head(x, d, norm, w, eps: float):
+    return F.linear(rms_norm(x + d, norm, eps), w).float()
+
+
+@dataclass
+class Pieces:
+    attn_in: Any = _attn_in
+    rope: Any = _rope
+    linear: Any = _linear
+    mlp_in: Any = _mlp_in
+    mlp_out: Any = _mlp_out
+    head: Any = _head
+
+
+EAGER = Pieces()
+
+
+def bucket_rows(n: int) -> int:
+    """The padded row count of a bucketed decode step: 1, 2, 4, 8, then multiples of 8."""
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -489,81 +652,60 @@ class Runner:
         return getattr(self.layers[layer], attr)[a:b]
 
     # -- forward
+    def compile(self) -> None:
+        """torch.compile the layer pieces for bucketed decode steps (`StepBatch.rows` set): one
+        static-shape graph per piece and bucket, CUDA-graphed on CUDA ("reduce-overhead")."""
+        import torch._dynamo
+
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        # a piece recompiles once per bucket (and once for the first layer's `d is None`)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.pieces = Pieces(*(torch.compile(f, mode=mode, dynamic=False) for f in
+                               (_attn_in, _rope, _linear, _mlp_in, _mlp_out, _head)))
+
+    pieces: Pieces | None = None
+    compiled_steps = 0  # forward passes that ran the compiled pieces
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv) -> torch.Tensor:
-        """Logits (float32) for `batch.logits_index` tokens (or all tokens), writing K/V into `kv`."""
+        """Logits (float32) for `batch.logits_index` tokens (or all tokens), writing K/V into `kv`.
+
+        Per layer: pieces (`attn_in`, `rope`, ...) and, between them, the LoRA deltas (added in
+        place into each piece's output) and attention over the step's groups."""
         cfg = self.config
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qd, kvd = H * D, KVH * D
-        act = _ACTS[cfg.hidden_act]
+        eps = cfg.rms_norm_eps
+        p = self.pieces if self.pieces is not None and batch.rows is not None else EAGER
+        if p is not EAGER:
+            self.compiled_steps += 1
         lora = self.lora if batch.lora is not None else None
         lb = batch.lora
         x = self.embed[batch.token_ids]
         T = x.shape[0]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[batch.positions].unsqueeze(1)
+        d = None
         for li, L in enumerate(self.layers):
             window = cfg.sliding_windows[li]
-            h = rms_norm(x, L.in_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, L.qkv, L.qkv_b)
+            x, h, qkv = p.attn_in(x, d, L.in_norm, L.qkv, L.qkv_b, eps)
             if lora is not None:
                 lora.apply(li, ("q_proj", "k_proj", "v_proj"), h, qkv, lb)
-            q = qkv[:, :qd].view(T, H, D)
-            k = qkv[:, qd : qd + kvd].view(T, KVH, D)
-            v = qkv[:, qd + kvd :].view(T, KVH, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k, v = p.rope(qkv, cos, sin, H, KVH, D)
             kv.write(li, batch.cache_slots, k, v)
-            attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-            for g in batch.groups:
-                if g.index is None:
-                    sl = slice(g.start, g.end)
-                    attn[sl] = self._attend(q[sl], k[sl], v[sl], g, kv, li, window)
-                else:
-                    attn.index_copy_(0, g.index, self._attend(q[g.index], None, None, g, kv, li, window))
-            attn = attn.view(T, qd)
-            o = F.linear(attn, L.o, L.o_b)
+            attn = attend_step(q, k, v, batch, kv, li, window).view(T, H * D)
+            o = p.linear(attn, L.o, L.o_b)
             if lora is not None:
                 lora.apply(li, ("o_proj",), attn, o, lb)
-            x = x + o
-            h = rms_norm(x, L.post_norm, cfg.rms_norm_eps)
-            gu = F.linear(h, L.gate_up, L.gate_up_b)
+            x, h, gu = p.mlp_in(x, o, L.post_norm, L.gate_up, L.gate_up_b, eps)
             if lora is not None:
                 lora.apply(li, ("gate_proj", "up_proj"), h, gu, lb)
-            half = gu.shape[1] // 2
-            m = act(gu[:, :half]) * gu[:, half:]
-            d = F.linear(m, L.down, L.down_b)
+            m, d = p.mlp_out(gu, L.down, L.down_b, cfg.hidden_act)
             if lora is not None:
                 lora.apply(li, ("down_proj",), m, d, lb)
-            x = x + d
         if batch.logits_index is not None:
-            x = x[batch.logits_index]
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup, kv, layer: int,
-                window: int | None) -> torch.Tensor:
-        """Attention of one group's queries; q [n, H, D] and the step's own k, v [n, KVH, D] for
-        kind "self"; returns [n, H, D]. GQA goes to SDPA as `enable_gqa` (no repeated heads)."""
-        H, D = q.shape[1], q.shape[2]
-        KVH = kv.num_kv_heads
-        gqa = KVH != H
-        if g.kind == "self":
-            B, L = g.num_seqs, g.max_q
-            qb = q.view(B, L, H, D).transpose(1, 2)
-            kb = k.view(B, L, KVH, D).transpose(1, 2)
-            vb = v.view(B, L, KVH, D).transpose(1, 2)
-            mask = g.masks[window]
-            if mask is None:
-                out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
-            else:
-                out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(B * L, H, D)
-        B, L = g.num_seqs, g.max_q
-        kc, vc = kv.gather(layer, g.block_tables)  # [B, KVH, nb*bs, D]: the group's own blocks only
-        qb = q.view(B, L, H, D).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kc, vc, attn_mask=g.masks[window], enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(B * L, H, D)
+            x, d = x[batch.logits_index], d[batch.logits_index]
+        logits = p.head(x, d, self.norm, self.lm_head, eps)
+        return logits if batch.rows is None else logits[: batch.rows]
 
     # -- convenience for tests and tools
     @torch.inference_mode()

@@ -164,6 +164,7 @@ def test_batch_invariance_scattered_slots_mixed_lengths_and_overflow(scattered, 
                 e.add_request(rid, ids, params, ad, alone)
                 drain(e)
             test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone = alone
+            test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.jobs = jobs
         alone = test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone
         together = Collector()
         order = jobs + [("h0", prompts[7], "huge"), ("h1", prompts[8], "huge")]
@@ -180,6 +181,61 @@ def test_batch_invariance_scattered_slots_mixed_lengths_and_overflow(scattered, 
         assert len(alone.tokens(rid)) == 8
         assert together.tokens(rid) == alone.tokens(rid), rid
     assert together.final("h0").finished and e.stats().kv_cache_usage == 0.0
+
+
+def test_paged_attention_batch_invariance_on_scattered_slots(scattered, prompts, canary_index):
+    """The same mixed batch with decode attention read in place on the cache (the paged kernel):
+    every row's greedy tokens still equal its tokens alone (run with the gathered path)."""
+    e = scattered
+    alone = test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone
+    jobs = test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.jobs
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    e.set_attention("paged")
+    try:
+        assert e.stats().attention == "paged"
+        together = Collector()
+        order = jobs + [("h0", prompts[7], "huge")]
+        random.Random(2).shuffle(order)
+        for rid, ids, ad in order[:20]:
+            e.add_request(rid, ids, params, ad, together)
+        e.step()
+        for rid, ids, ad in order[20:]:
+            e.add_request(rid, ids, params, ad, together)
+        drain(e)
+    finally:
+        e.set_attention("gather")
+    for rid, _, _ in jobs:
+        assert together.tokens(rid) == alone.tokens(rid), rid
+    assert together.final("h0").finished and e.stats().kv_cache_usage == 0.0
+
+
+def test_a_failing_paged_kernel_falls_back_to_gathered(dev_model, canaries, canary_index, prompts, monkeypatch):
+    """A compile failure of the paged kernel inside a step (a shape the probe did not see): the step
+    is rerun on the gathered path, its requests complete with the same tokens, and it stays there."""
+    from torch._dynamo.exc import TorchRuntimeError
+
+    from handler import paged_attention
+
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8, rank_pools={16: 2}, attention="paged")
+    assert e.attention == "paged"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = Collector()
+    for i in range(3):
+        e.add_request(f"w{i}", prompts[i], params, None, want)
+    drain(e)
+
+    def broken(*a, **k):
+        raise TorchRuntimeError("inductor: C++ compile error")
+
+    monkeypatch.setattr(paged_attention, "attend", broken)
+    got = Collector()
+    for i in range(3):
+        e.add_request(f"g{i}", prompts[i], params, None, got)
+    drain(e)
+    assert e.attention == "gather"
+    for i in range(3):
+        assert got.final(f"g{i}").finish_reason == "length"
+        assert got.tokens(f"g{i}") == want.tokens(f"w{i}")
 
 
 def test_adapter_that_overflows_the_slot_dtype_is_refused(dev_model, canaries):
@@ -556,3 +612,25 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, prompt
     engine.add_request("f3", prompts[2], GREEDY, "c0003", col)
     drain(engine)
     assert col.text("f3") == "<<c0003>>"
+
+
+def test_compiled_decode_steps_give_the_same_tokens(dev_model, canaries, canary_index, prompts):
+    """compile=True: decode-only steps run the torch.compile'd layer pieces on a batch padded to its
+    bucket (5 rows -> 8: padding rows write to the scratch block); every row's greedy tokens equal
+    the eager engine's, adapters and the paged kernel included."""
+    names = sorted(canary_index)[:3]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = {}
+    for compiled in (False, True):
+        e = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8, rank_pools={32: 4}, compile=compiled,
+                   attention="paged")
+        mount_all(e, canaries, canary_index, names)
+        col = Collector()
+        for i in range(5):
+            e.add_request(f"c{i}", prompts[i], params, names[i] if i < 3 else None, col)
+        drain(e)
+        out[compiled] = {f"c{i}": col.tokens(f"c{i}") for i in range(5)}
+        assert e.stats().kv_cache_usage == 0.0
+        assert (e.runner.compiled_steps >= 5) == compiled  # the decode steps (the first token is prefill's)
+    assert out[True] == out[False]
+    assert all(len(t) == 6 for t in out[True].values())

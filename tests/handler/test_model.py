@@ -123,14 +123,18 @@ def test_missing_tensor_and_bad_shard_name(tmp_path, dev_model):
         checkpoint_files(d)
 
 
-def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: int) -> list[torch.Tensor]:
+def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: int,
+                  attention: str = "gather") -> list[torch.Tensor]:
     """Every token's logits through the paged path: prompts prefilled in chunks of `chunk` (the
-    later chunks read the cache), in the same steps as other rows' one-token decode rows."""
+    later chunks read the cache), in the same steps as other rows' one-token decode rows (bucketed
+    and gathered, or all read in place by the paged kernel)."""
     from handler.kvcache import KVCache
     from handler.model import build_step_batch
+    from handler.paged_attention import DecodeTables
 
     bs = 4
     kv = KVCache.for_blocks(runner.config, 16 * len(rows), bs, runner.dtype, runner.device)
+    tables_buf = DecodeTables(kv, len(rows)) if attention == "paged" else None
     tables = [list(range(16 * i, 16 * (i + 1)))[::-1] for i in range(len(rows))]  # scattered blocks
     done = [0] * len(rows)
     out: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -146,7 +150,8 @@ def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: 
             seqs.append(([rows[i][done[i]]], done[i], tables[i]))
             take.append((i, 1))
         batch = build_step_batch(seqs, bs, runner.device, runner.windows, decode_from=len(pre), all_logits=True,
-                                 pad_block=kv.null_block)
+                                 pad_block=kv.null_block, decode_tables=tables_buf)
+        assert any(g.kind == "paged" for g in batch.groups) == (attention == "paged" and bool(dec))
         logits = runner.forward(batch, kv)
         off = 0
         for i, n in take:
@@ -156,10 +161,12 @@ def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: 
     return [torch.cat(x) for x in out]
 
 
+@pytest.mark.parametrize("attention", ["gather", "paged"])
 @pytest.mark.parametrize("window", [None, 8])
-def test_paged_chunked_prefill_and_mixed_length_decode_equal_full_forward(tmp_path, window):
-    """Chunked prefill reading the cache, decode rows of very different lengths (bucketed),
-    sliding window: every logit equals the full-sequence forward and transformers."""
+def test_paged_chunked_prefill_and_mixed_length_decode_equal_full_forward(tmp_path, window, attention):
+    """Chunked prefill reading the cache, decode rows of very different lengths (bucketed and
+    gathered, or read in place), sliding window: every logit equals the full-sequence forward and
+    transformers."""
     from transformers import MistralConfig
 
     cfg = MistralConfig(
@@ -170,7 +177,7 @@ def test_paged_chunked_prefill_and_mixed_length_decode_equal_full_forward(tmp_pa
     runner = Runner(d, device="cpu")
     lengths, prompt_lens = [50, 9, 21, 3, 5], [12, 9, 5, 3, 5]
     rows = [_random_ids(300, 1, n, seed=n)[0].tolist() for n in lengths]
-    paged = _paged_logits(runner, rows, prompt_lens, chunk=5)
+    paged = _paged_logits(runner, rows, prompt_lens, chunk=5, attention=attention)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
