@@ -145,12 +145,28 @@ class RowState:
             self.output.append(token)
 
 
+def _on(t: torch.Tensor, device) -> torch.Tensor:
+    """A host-built tensor on `device` without a host sync (pinned, non-blocking on CUDA)."""
+    from handler.model import to_device
+
+    return to_device(t, torch.device(device))
+
+
 def _rows_tensor(rows: list[int], device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return _on(torch.tensor(rows, dtype=torch.long), device)
 
 
 def _col(values: list[float], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return _on(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device results on the host with one wait for the stream (the step's only host sync)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
 
 
 def token_counts(lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
@@ -158,8 +174,8 @@ def token_counts(lists: list[list[int]], vocab_size: int, device) -> torch.Tenso
     width = max((len(t) for t in lists), default=0)
     counts = torch.zeros(len(lists), vocab_size, device=device)
     if width:
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in lists], dtype=torch.long, device=device)
-        ones = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in lists], device=device)
+        ids = _on(torch.tensor([t + [0] * (width - len(t)) for t in lists], dtype=torch.long), device)
+        ones = _on(torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in lists]), device)
         counts.scatter_add_(1, ids, ones)
     return counts
 
@@ -193,7 +209,7 @@ def apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
     rows, toks, bias = zip(*entries)
     dev = x.device
     x.index_put_((_rows_tensor(list(rows), dev), _rows_tensor(list(toks), dev)),
-                 torch.tensor(bias, dtype=x.dtype, device=dev), accumulate=True)
+                 _on(torch.tensor(bias, dtype=x.dtype), dev), accumulate=True)
 
 
 def apply_grammar(x: torch.Tensor, states: list[RowState]) -> None:
@@ -203,7 +219,7 @@ def apply_grammar(x: torch.Tensor, states: list[RowState]) -> None:
         return
     from handler.constrained import allowed_tokens
 
-    allowed = allowed_tokens([states[i].matcher for i in rows], x.shape[1]).to(x.device)
+    allowed = _on(allowed_tokens([states[i].matcher for i in rows], x.shape[1]), x.device)
     idx = _rows_tensor(rows, x.device)
     x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~allowed, float("-inf")))
 
@@ -215,9 +231,9 @@ def filter_probs(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_
     V = probs.shape[1]
     if any(0 < k < V for k in top_k):
         on = [0 < k < V for k in top_k]
-        k = torch.tensor([k if o else 1 for k, o in zip(top_k, on)], device=dev)
+        k = _on(torch.tensor([k if o else 1 for k, o in zip(top_k, on)]), dev)
         kth = probs.topk(max(k for k, o in zip(top_k, on) if o), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        kth = kth.masked_fill(~torch.tensor(on, device=dev).unsqueeze(1), 0.0)  # rows without top_k keep all
+        kth = kth.masked_fill(~_on(torch.tensor(on), dev).unsqueeze(1), 0.0)  # rows without top_k keep all
         probs = probs.masked_fill(probs < kth, 0.0)
     if any(p < 1.0 for p in top_p):
         tp = _col(top_p, dev)
@@ -257,14 +273,18 @@ def sample(
             [torch.empty(probs.shape[1], device=dev).exponential_(generator=states[i].generator) for i in rows]
         )
         out[idx] = (probs / noise).argmax(dim=-1)
-    tokens = out.tolist()
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if lp_rows:
-        logp = torch.log_softmax(logits.index_select(0, _rows_tensor(lp_rows, dev)).float(), dim=-1)
-        chosen = logp.gather(1, _rows_tensor([tokens[i] for i in lp_rows], dev).unsqueeze(1)).squeeze(1).tolist()
+    fetch = [out]
+    if lp_rows:  # computed on the device from `out`, fetched with the tokens
+        lp_idx = _rows_tensor(lp_rows, dev)
+        logp = torch.log_softmax(logits.index_select(0, lp_idx).float(), dim=-1)
         kmax = max(params[i].logprobs for i in lp_rows)
         top_v, top_i = logp.topk(kmax, dim=-1) if kmax else (logp[:, :0], logp[:, :0].long())
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        fetch += [logp.gather(1, out.index_select(0, lp_idx).unsqueeze(1)).squeeze(1), top_v, top_i]
+    host = _to_host(fetch)
+    tokens = host[0].tolist()
+    if lp_rows:
+        chosen, top_v, top_i = (t.tolist() for t in host[1:])
         for j, i in enumerate(lp_rows):
             k = params[i].logprobs
             states[i].logprobs = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
