@@ -6,7 +6,9 @@ from live versions. So the replica watches the registry's routing table and, for
 holds that
 
 - was the target of an alias in the previous table and is the target of none now (retired by a
-  deploy, a rollback or an alias delete),
+  deploy, a rollback or an alias delete), or is newly marked `retired` by the registry (a deploy
+  moved an alias away from it: this catches a version aliased and deployed away between two
+  polls, which the diff alone never sees as aliased),
 - is disabled, or
 - is gone from the table (deleted: its disk copy is purged too),
 
@@ -28,11 +30,18 @@ def pointed(table: dict) -> set[str]:
     return {str(a.get("adapter_id")) for a in (table.get("aliases") or {}).values() if a.get("adapter_id")}
 
 
+def marked_retired(table: dict) -> set[str]:
+    """Ids the registry marks retired (an alias's previous target that no alias points to)."""
+    return {a for a, info in (table.get("adapters") or {}).items() if info.get("retired")}
+
+
 def to_retire(previous: dict | None, table: dict) -> tuple[set[str], set[str]]:
     """(ids to unload, ids to unload and purge from disk) going from `previous` to `table`."""
     adapters = table.get("adapters") or {}
     unload = {a for a, info in adapters.items() if str(info.get("status") or "active") == "disabled"}
     purge: set[str] = set()
+    # newly marked only: a retired id called by name loads again, and stays until LRU or the next mark
+    unload |= marked_retired(table) - (marked_retired(previous) if previous is not None else set())
     if previous is not None:
         unload |= pointed(previous) - pointed(table)
         purge = set(previous.get("adapters") or {}) - set(adapters)

@@ -218,6 +218,9 @@ class RoutingAdapter(BaseModel):
     base_model_hash: str
     owners_k: int
     status: str
+    # a deploy or rollback moved an alias away from it (it is some alias's previous target) and no
+    # alias points to it now: replicas free its slot and RAM instead of leaving it to LRU
+    retired: bool = False
 
 
 WORKER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"

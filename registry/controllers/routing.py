@@ -115,7 +115,8 @@ class RoutingController(Controller):
             # The version first: content read after it is at least as new, never older.
             version = int((await session.execute(select(RegistryState.version).where(RegistryState.id == 1))).scalar_one())
             etag = f'"v{version}"'
-            aliases = (await session.execute(select(Alias.alias, Alias.adapter_id, Alias.tenant_id))).all()
+            aliases = (await session.execute(
+                select(Alias.alias, Alias.adapter_id, Alias.tenant_id, Alias.previous_adapter_id))).all()
             adapters = (await session.execute(
                 select(Adapter.adapter_id, Adapter.tenant_id, Adapter.base_model_hash, Adapter.owners_k, Adapter.status)
             )).all()
@@ -142,11 +143,12 @@ class RoutingController(Controller):
         for r in replicas:
             if r.status == "up":
                 cands_by_base[r.base_model_hash] = cands_by_base.get(r.base_model_hash, 0) + 1
+        retired = {p for *_, p in aliases if p} - {ad for _, ad, _, _ in aliases}
         table = RoutingTable(
             version=version,
-            aliases={a: RoutingAlias(adapter_id=ad, tenant_id=t) for a, ad, t in aliases},
+            aliases={a: RoutingAlias(adapter_id=ad, tenant_id=t) for a, ad, t, _ in aliases},
             adapters={
-                a: RoutingAdapter(tenant_id=t, base_model_hash=h, status=st,
+                a: RoutingAdapter(tenant_id=t, base_model_hash=h, status=st, retired=a in retired,
                                   owners_k=max(1, min(k, cands_by_base.get(h, 0))) if cands_by_base.get(h) else k)
                 for a, t, h, k, st in adapters
             },

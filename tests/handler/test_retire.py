@@ -31,6 +31,19 @@ def test_to_retire():
     assert to_retire(t3, t4) == (set(), set())
 
 
+def test_to_retire_takes_the_registrys_mark():
+    """An alias created and deployed away between two polls: the diff never saw the old version
+    aliased; the registry's `retired` mark (an alias's previous target no alias points to) does."""
+    t0 = table({}, {"v1": "active", "v2": "active"})
+    t1 = table({"t/a:prod": "v2"}, {"v1": "active", "v2": "active"})
+    t1["adapters"]["v1"]["retired"] = True
+    assert to_retire(t0, t1) == ({"v1"}, set())
+    assert to_retire(None, t1) == ({"v1"}, set())  # a replica that starts after the deploy
+    t2 = table({"t/a:prod": "v2"}, {"v1": "active", "v2": "active", "v3": "active"})
+    t2["adapters"]["v1"]["retired"] = True
+    assert to_retire(t1, t2) == (set(), set())  # still marked: unloaded once, not at every table
+
+
 class Cache:
     def __init__(self, held):
         self.held, self.unloaded = set(held), []

@@ -218,6 +218,8 @@ async def test_alias_deploy_rollback_cycle(client, canaries):
     assert first["previous_adapter_id"] is None and first["tenant_id"] == tenant
     assert (await client.put(path, json={"adapter_id": a})).json()["previous_adapter_id"] is None  # no-op
     assert (await client.put(path, json={"adapter_id": b})).json()["previous_adapter_id"] == a
+    routing = (await client.get("/internal/routing")).json()["adapters"]
+    assert (routing[a]["retired"], routing[b]["retired"]) == (True, False)  # replicas free a's slot
     back = (await client.post(f"{path}/rollback")).json()
     assert (back["adapter_id"], back["previous_adapter_id"]) == (a, b)
     fwd = (await client.post(f"{path}/rollback")).json()
