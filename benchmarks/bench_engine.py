@@ -31,7 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from handler import paged_attention
 from handler.engine import Engine, SamplingParams
+from handler.model import ModelConfig
 
 SUITE = "engine"
 BATCH, PROMPT, NEW, RANK, ALPHA = 32, 64, 64, 16, 32
@@ -80,13 +82,25 @@ class Setup:
         self.adapters = _adapters(self.model_dir, BATCH)
         g = torch.Generator().manual_seed(1)
         self.prompts = torch.randint(3, 450, (BATCH, PROMPT), generator=g)
+        self.attention = self._attention()
         self.engine = self.new_engine()
         self._peft = None
         self._rid = 0
 
-    def new_engine(self) -> Engine:
+    def _attention(self) -> str:
+        """What the engine's "auto" picks (its startup probe), fixed for every engine of the run: a
+        switch in the middle of a timed run would mix the two."""
+        from handler.model import load_hf_config
+
+        cfg = ModelConfig.from_hf(load_hf_config(self.model_dir))
+        self.probe = paged_attention.probe(torch.device(self.device), torch.float32, cfg.num_heads, cfg.num_kv_heads,
+                                           cfg.head_dim, 16, windows=set(cfg.sliding_windows) | {None}, rows=BATCH)
+        return "paged" if self.probe.faster else "gather"
+
+    def new_engine(self, attention: str | None = None) -> Engine:
         engine = Engine(self.model_dir, device=self.device, dtype=torch.float32, kv_cache_bytes=64 << 20,
-                        max_batch=BATCH, rank_pools={RANK: 2 * BATCH}, max_prefill_tokens=BATCH * PROMPT)
+                        max_batch=BATCH, rank_pools={RANK: 2 * BATCH}, max_prefill_tokens=BATCH * PROMPT,
+                        attention=attention or self.attention)
         order = [f"a{j}" for j in range(BATCH)] + [f"filler{j}" for j in range(BATCH)]
         random.Random(0).shuffle(order)  # scattered slots, as LRU leaves them
         for name in order:
@@ -175,6 +189,11 @@ def _notes(bench_report, setup):
                                       f"MLP {cfg.intermediate_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} kv), fp32")
     bench_report.note(SUITE, "batch", f"{BATCH} requests, prompts of {PROMPT} tokens, {NEW} new tokens each, greedy")
     bench_report.note(SUITE, "adapters", f"rank {RANK} on all 7 projections; row i uses adapter i mod N")
+    p = setup.probe
+    bench_report.note(SUITE, "decode attention", f"{setup.attention} (the engine's startup probe at {BATCH} rows: "
+                                                 f"paged {p.paged_ms:.3f} / {p.short_paged_ms:.3f} ms vs gathered "
+                                                 f"{p.gathered_ms:.3f} / {p.short_gathered_ms:.3f} ms on mixed / short "
+                                                 f"contexts; {p.reason})")
 
 
 DECODE_VARIANTS = (("none", None), ("1", 1), ("8", 8), ("32", 32))
@@ -268,7 +287,7 @@ def test_engine_admission(benchmark, bench_report, setup):
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
         engine = Engine(setup.model_dir, device=setup.device, dtype=torch.float32,
                         kv_cache_bytes=7 * (PROMPT + ADMIT_MAX_TOKENS) * per_token, max_batch=BATCH,
-                        rank_pools={RANK: 1}, kv_reserve=reserve)
+                        rank_pools={RANK: 1}, kv_reserve=reserve, attention=setup.attention)
         done = []
 
         def on_event(ev):

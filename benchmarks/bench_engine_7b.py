@@ -9,6 +9,10 @@
   distinct: base weights / (base + 32 adapters) = 0.835.
 * long row: the small dev model, 32 decode rows of 64-token contexts vs the same with one row at
   1,088 tokens; and that step with the rows padded to the longest in one group (the old layout).
+Every variant runs with the gathered decode attention (bucketed rows, blocks copied out) and the
+main ones also with the paged kernel (`handler.paged_attention`, read in place: "-paged") and with
+the torch.compile'd layer pieces (`Runner.compile`: "-compiled"; compile time is not timed). Block
+tables are scattered over the cache, as a long-running cache leaves them.
 
 What is timed is the engine's forward step: step metadata (`build_step_batch` + LoRA `prepare`)
 and `Runner.forward`, rows ordered by slot as the engine orders them; sampling (one argmax over
@@ -32,6 +36,7 @@ from benchmarks.bench_engine import ALPHA, BATCH, CACHE, MODULES, RANK, _small_m
 from handler.kvcache import KVCache
 from handler.lora import ModelLoRA
 from handler.model import Runner, build_step_batch
+from handler.paged_attention import DecodeTables
 
 SUITE = "engine_7b"
 CTX, SLOTS = 64, 64
@@ -98,24 +103,28 @@ class StepHarness:
         self.block = 16
         per_row = [-(-c // self.block) for c in ctx]
         self.kv = KVCache.for_blocks(cfg, sum(per_row), self.block, dtype, self.device)
-        tables, b = [], 0
-        for n in per_row:
-            tables.append(list(range(b, b + n)))
-            b += n
-        self.ctx, self.tables = ctx, tables
+        free = list(range(self.kv.num_blocks))
+        random.Random(2).shuffle(free)  # scattered blocks, as a long-running cache leaves them
+        self.ctx, self.tables = ctx, [[free.pop() for _ in range(n)] for n in per_row]
+        self.decode_tables = DecodeTables(self.kv, len(ctx))
         g = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(3, cfg.vocab_size, (len(ctx),), generator=g).tolist()
 
-    def step_fn(self, distinct: int | None, kernel: str = "auto"):
+    def step_fn(self, distinct: int | None, kernel: str = "auto", attention: str = "gather", compiled: bool = False):
         rows = list(range(len(self.ctx)))
         slot = [0 if distinct is None else self.slots[i % distinct] for i in rows]
         rows.sort(key=lambda i: slot[i])  # the engine orders decode rows by slot
         seqs = [([self.tokens[i]], self.ctx[i] - 1, self.tables[i]) for i in rows]
         slots = [slot[i] for i in rows]
+        if compiled and self.runner.pieces is None:
+            self.runner.compile()
 
         def step():
             batch = build_step_batch(seqs, self.block, self.device, self.runner.windows, decode_from=0,
-                                     pad_block=self.kv.null_block)
+                                     pad_block=self.kv.null_block,
+                                     decode_tables=self.decode_tables if attention == "paged" else None,
+                                     pad_to=len(seqs) if compiled else None,
+                                     scratch_slot=self.kv.scratch_block * self.block)
             batch.lora = self.lora.prepare(slots, prefill=False, mode=kernel) if distinct else None
             return self.runner.forward(batch, self.kv)
 
@@ -167,6 +176,8 @@ def test_engine_7b_shaped_scattered(benchmark, bench_report):
     fns = {"7b/none": h.step_fn(None), "7b/1": h.step_fn(1), "7b/8": h.step_fn(8), "7b/32": h.step_fn(32)}
     for kernel in ("segments", "dense", "gather"):
         fns[f"7b/32-{kernel}"] = h.step_fn(32, kernel)
+    fns["7b/none-paged"], fns["7b/32-paged"] = h.step_fn(None, attention="paged"), h.step_fn(32, attention="paged")
+    fns["7b/32-paged-compiled"] = h.step_fn(32, attention="paged", compiled=True)
     chosen = [p.mode for p in h.lora.prepare([h.slots[i] for i in range(BATCH)], prefill=False).pools]
     benchmark.group = "7B-shaped decode step (one round = every variant once)"
     samples = interleaved(benchmark, fns, rounds=8 if device == "cpu" else 30, device=h.device)
@@ -195,7 +206,11 @@ def test_engine_long_row(benchmark, bench_report):
         finally:
             model_mod._decode_buckets = real
 
-    fns = {"long/all-short": step_short, "long/one-long": step_mixed, "long/one-long-padded": padded}
+    fns = {"long/all-short": step_short, "long/one-long": step_mixed, "long/one-long-padded": padded,
+           "long/all-short-paged": short.step_fn(None, attention="paged"),
+           "long/one-long-paged": mixed.step_fn(None, attention="paged"),
+           "long/all-short-compiled": short.step_fn(None, compiled=True),
+           "long/all-short-paged-compiled": short.step_fn(None, attention="paged", compiled=True)}
     benchmark.group = "one long row among short ones (small dev model)"
     samples = interleaved(benchmark, fns, rounds=30 if device == "cpu" else 100, device=short.device)
     _record(bench_report, samples)

@@ -117,7 +117,8 @@ def test_serve_vs_transformers_serve(benchmark, bench_report, tmp_path):
             [sys.executable, "-m", "lorafarm", "replica", "--base", str(model), "--host", "127.0.0.1",
              "--port", str(ours_port), "--model-name", "base", "--device", "cpu", "--dtype", "float32",
              "--max-batch", str(CONCURRENCY), "--kv-cache-bytes", str(KV_TOKENS * _kv_bytes_per_token(model)),
-             "--disk-dir", str(tmp_path / "replica"), "--log-level", "warning"],
+             "--disk-dir", str(tmp_path / "replica"), "--log-level", "warning",
+             "--attention", os.environ.get("LORAFARM_BENCH_ATTENTION", "auto")],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "ours.log", "w")),
         "hf": subprocess.Popen(
             [transformers_cli, "serve", str(model), "--continuous-batching", "--device", "cpu", "--dtype", "float32",

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The engine's GPU check, in one go (about 3-5 minutes on one modern GPU):
 #   1. correctness on cuda: runner logits == the CPU runner and PEFT merge_and_unload() (float32),
-#      and canary isolation through the engine in bfloat16 (300 requests over the 32 canaries);
+#      and canary isolation through the engine in bfloat16 (300 requests over the 32 canaries); the
+#      paged decode kernel's probe (checked against the gathered path, timed) and compiled decode
+#      steps (CUDA graphs, mode "reduce-overhead") against eager;
 #   2. the same benchmarks as on CPU (layer op at 7B dims on scattered slots, engine throughput vs
 #      transformers + PEFT, admission, the 7B-shaped decode step in bfloat16 with 1/8/32 distinct
 #      adapters on scattered slots and every LoRA kernel forced, one long row among short ones, and
@@ -94,6 +96,42 @@ while engine.step():
 wrong = [k for k in want if texts.get(k) != want[k]]
 check(f"cuda bf16 isolation: {len(want)} canary requests, own marker only", not wrong, f"wrong: {wrong[:5]}")
 print(f"  ({time.time() - t0:.0f} s)")
+sys.exit(0 if ok else 1)
+EOF
+
+echo "== 1c/2 paged decode attention (Triton flex kernel) and compiled decode steps (CUDA graphs) on cuda"
+timeout 600 "$PY" - <<'EOF'
+import sys, time
+from pathlib import Path
+
+import torch
+
+from handler import paged_attention
+from handler.engine import Engine, SamplingParams
+
+ok = True
+for dtype, shape in ((torch.float32, (4, 2, 32)), (torch.bfloat16, (32, 32, 128)), (torch.bfloat16, (32, 8, 128))):
+    p = paged_attention.probe("cuda", dtype, *shape, 16, windows=(None, 4096), rows=32)
+    ok &= p.ok
+    print(f"  {'PASS' if p.ok else 'FAIL'} paged kernel {dtype} heads/kv/D {shape}: {p.reason}; "
+          f"paged {p.paged_ms:.3f} ms vs gathered {p.gathered_ms:.3f} ms at 32 rows")
+model = Path(".cache/lorafarm/devmodel-tiny-s0")
+out = {}
+for compiled in (False, True):
+    e = Engine(model, device="cuda", dtype=torch.bfloat16, kv_cache_bytes=64 << 20, max_batch=32, rank_pools={16: 4},
+               attention="paged", compile=compiled)
+    got = {}
+    for i in range(13):  # 13 rows: bucket 16, 3 padding rows
+        e.add_request(f"r{i}", list(range(5 + i, 40 + 3 * i)), SamplingParams(max_tokens=24, temperature=0.0,
+                      ignore_eos=True), None, lambda ev: got.setdefault(ev.request_id, []).append(ev.token_id))
+    t0 = time.perf_counter()
+    while e.step():
+        pass
+    out[compiled] = got
+    print(f"  compile={compiled}: {time.perf_counter() - t0:.1f} s, compiled steps {e.runner.compiled_steps}")
+same = out[True] == out[False]
+ok &= same
+print(f"  {'PASS' if same else 'FAIL'} compiled (reduce-overhead) decode == eager, bf16, 13 rows")
 sys.exit(0 if ok else 1)
 EOF
 

@@ -74,6 +74,19 @@ def drain(engine: Engine, limit: int = 10_000) -> int:
     return n
 
 
+def run_staggered(engine: Engine, jobs, params) -> Collector:
+    """The first 20 jobs (rid, prompt ids, adapter), one step, then the rest, run to the end: the
+    late ones prefill in the same steps as the first ones decode."""
+    col = Collector()
+    for rid, ids, ad in jobs[:20]:
+        engine.add_request(rid, ids, params, ad, col)
+    engine.step()
+    for rid, ids, ad in jobs[20:]:
+        engine.add_request(rid, ids, params, ad, col)
+    drain(engine)
+    return col
+
+
 @pytest.fixture(scope="module")
 def engine(dev_model, canaries, canary_index):
     e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=48, rank_pools=POOLS,
@@ -166,15 +179,9 @@ def test_batch_invariance_scattered_slots_mixed_lengths_and_overflow(scattered, 
             test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone = alone
             test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.jobs = jobs
         alone = test_batch_invariance_scattered_slots_mixed_lengths_and_overflow.alone
-        together = Collector()
         order = jobs + [("h0", prompts[7], "huge"), ("h1", prompts[8], "huge")]
         rng.shuffle(order)
-        for rid, ids, ad in order[:20]:
-            e.add_request(rid, ids, params, ad, together)
-        e.step()
-        for rid, ids, ad in order[20:]:
-            e.add_request(rid, ids, params, ad, together)
-        drain(e)
+        together = run_staggered(e, order, params)
     finally:
         e.lora.kernel = old
     for rid, _, _ in jobs:
@@ -193,15 +200,9 @@ def test_paged_attention_batch_invariance_on_scattered_slots(scattered, prompts,
     e.set_attention("paged")
     try:
         assert e.stats().attention == "paged"
-        together = Collector()
         order = jobs + [("h0", prompts[7], "huge")]
         random.Random(2).shuffle(order)
-        for rid, ids, ad in order[:20]:
-            e.add_request(rid, ids, params, ad, together)
-        e.step()
-        for rid, ids, ad in order[20:]:
-            e.add_request(rid, ids, params, ad, together)
-        drain(e)
+        together = run_staggered(e, order, params)
     finally:
         e.set_attention("gather")
     for rid, _, _ in jobs:
