@@ -277,7 +277,8 @@ class Engine:
         if attention == "paged":
             self.decode_tables = self._probe_attention(required=True)
         elif attention == "auto":  # serve gathered meanwhile: compiling takes seconds
-            threading.Thread(target=self._probe_attention, name="attention-probe").start()  # not daemon: a compile cut off at exit aborts the process
+            # not a daemon: a compile cut off by the interpreter's exit aborted the process once
+            threading.Thread(target=self._probe_attention, name="attention-probe").start()
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)

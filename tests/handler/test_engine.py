@@ -190,7 +190,7 @@ def test_batch_invariance_scattered_slots_mixed_lengths_and_overflow(scattered, 
     assert together.final("h0").finished and e.stats().kv_cache_usage == 0.0
 
 
-def test_paged_attention_batch_invariance_on_scattered_slots(scattered, prompts, canary_index):
+def test_paged_attention_batch_invariance_on_scattered_slots(scattered, prompts, canary_index, paged_kernel):
     """The same mixed batch with decode attention read in place on the cache (the paged kernel):
     every row's greedy tokens still equal its tokens alone (run with the gathered path)."""
     e = scattered
@@ -210,7 +210,8 @@ def test_paged_attention_batch_invariance_on_scattered_slots(scattered, prompts,
     assert together.final("h0").finished and e.stats().kv_cache_usage == 0.0
 
 
-def test_a_failing_paged_kernel_falls_back_to_gathered(dev_model, canaries, canary_index, prompts, monkeypatch):
+def test_a_failing_paged_kernel_falls_back_to_gathered(dev_model, canaries, canary_index, prompts, monkeypatch,
+                                                       paged_kernel):
     """A compile failure of the paged kernel inside a step (a shape the probe did not see): the step
     is rerun on the gathered path, its requests complete with the same tokens, and it stays there."""
     from torch._dynamo.exc import TorchRuntimeError
@@ -615,7 +616,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, prompt
     assert col.text("f3") == "<<c0003>>"
 
 
-def test_compiled_decode_steps_give_the_same_tokens(dev_model, canaries, canary_index, prompts):
+def test_compiled_decode_steps_give_the_same_tokens(dev_model, canaries, canary_index, prompts, paged_kernel):
     """compile=True: decode-only steps run the torch.compile'd layer pieces on a batch padded to its
     bucket (5 rows -> 8: padding rows write to the scratch block); every row's greedy tokens equal
     the eager engine's, adapters and the paged kernel included."""

@@ -163,7 +163,7 @@ def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: 
 
 @pytest.mark.parametrize("attention", ["gather", "paged"])
 @pytest.mark.parametrize("window", [None, 8])
-def test_paged_chunked_prefill_and_mixed_length_decode_equal_full_forward(tmp_path, window, attention):
+def test_paged_chunked_prefill_and_mixed_length_decode_equal_full_forward(tmp_path, window, attention, request):
     """Chunked prefill reading the cache, decode rows of very different lengths (bucketed and
     gathered, or read in place), sliding window: every logit equals the full-sequence forward and
     transformers."""
@@ -173,6 +173,8 @@ def test_paged_chunked_prefill_and_mixed_length_decode_equal_full_forward(tmp_pa
         vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, sliding_window=window, rope_theta=1e6,
     )
+    if attention == "paged":
+        request.getfixturevalue("paged_kernel")
     d = _save_tiny(tmp_path, cfg, seed=2)
     runner = Runner(d, device="cpu")
     lengths, prompt_lens = [50, 9, 21, 3, 5], [12, 9, 5, 3, 5]

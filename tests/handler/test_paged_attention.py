@@ -45,7 +45,7 @@ def scattered_rows(kv: KVCache, lengths: list[int], seed: int):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_paged_decode_equals_attention_over_each_rows_own_keys(dtype, tol, block_size):
+def test_paged_decode_equals_attention_over_each_rows_own_keys(dtype, tol, block_size, paged_kernel):
     g = torch.Generator().manual_seed(0)
     kv = KVCache(1, 2, 32, 800 if block_size == 16 else 3000, block_size, dtype)
     kv.k[0, :-1].copy_(torch.randn(kv.k[0, :-1].shape, generator=g))
@@ -66,7 +66,7 @@ def test_paged_decode_equals_attention_over_each_rows_own_keys(dtype, tol, block
             assert (got - want).abs().max().item() <= tol, (rows, window)
 
 
-def test_paged_decode_reads_no_other_rows_blocks():
+def test_paged_decode_reads_no_other_rows_blocks(paged_kernel):
     """Poison every block no row owns (inf and NaN) and the unwritten tails: no output changes."""
     kv = KVCache(1, 2, 32, 400, 16)
     g = torch.Generator().manual_seed(5)
@@ -95,7 +95,7 @@ def test_paged_decode_reads_no_other_rows_blocks():
     assert torch.equal(before, after)
 
 
-def test_probe_checks_and_times_both_paths():
+def test_probe_checks_and_times_both_paths(paged_kernel):
     p = paged_attention.probe("cpu", torch.float32, 4, 2, 32, 16, windows=(None, 24), rows=8)
     assert p.ok, p.reason
     assert p.paged_ms > 0 and p.gathered_ms > 0
@@ -103,7 +103,7 @@ def test_probe_checks_and_times_both_paths():
     assert paged_attention.probe("cpu", torch.float32, 4, 2, 32, 16, windows=(24, None), rows=8) is p  # cached
 
 
-def test_kernel_compiled_under_one_thread_runs_safely_with_more():
+def test_kernel_compiled_under_one_thread_runs_safely_with_more(paged_kernel):
     """The CPU kernel's scratch is sized by the thread count it was compiled with: compiled under
     torch.set_num_threads(1) and run with 2 threads it once wrote past its buffers (heap corruption).
     It is now built for every core and refuses to run with more threads than that."""
