@@ -15,11 +15,12 @@ on every other row (the gathered layout pads each bucket to its longest row).
 The kernel is compiled (`torch.compile`, dynamic shapes: one compile serves every batch size and
 block-table width): Triton on CUDA, inductor's C++ template on CPU. `probe()` compiles it once per
 shape family, checks it against the gathered path on scattered blocks and mixed lengths, and times
-both; the engine takes the faster one, and the gathered path where compiling fails.
+both on mixed and on short contexts; the engine ("auto") takes it where it is no slower on either,
+and keeps the gathered path where it is slower or does not compile.
 
 The block-table buffer `kv_idx` is persistent (`DecodeTables`): the kernel needs it as wide as the
-pool, so it is allocated once per cache and only the first `nb` columns of the
-step's rows are written each step, from pinned host memory with a non-blocking copy.
+pool, so it is allocated once per cache and only the first `nb` columns of the step's rows are
+written each step, from pinned host memory with a non-blocking copy.
 """
 
 from __future__ import annotations

@@ -42,26 +42,28 @@ def test_alias_flip_and_rollback_under_load(farm, tenant, adapter_markers):
 
             workers = [asyncio.create_task(worker()) for _ in range(8)]
             await asyncio.sleep(2.0)
+            deploying_at = time.monotonic()  # a response done before this was routed before the deploy
             await reg.set_alias(alias, second)  # deploy
-            flipped_at = time.monotonic()
+            flipped_at = time.monotonic()  # the router may apply it before this (it long-polls the table)
             await asyncio.sleep(2 * ROUTER_ALIAS_BOUND_S)
+            rolling_at = time.monotonic()
             await reg.rollback_alias(alias)  # rollback
             rolled_at = time.monotonic()
             await asyncio.sleep(2 * ROUTER_ALIAS_BOUND_S)
             stop.set()
             await asyncio.gather(*workers)
-            return results, flipped_at, rolled_at
+            return results, (deploying_at, flipped_at, rolling_at, rolled_at)
         finally:
             await client.close()
             await reg.aclose()
 
-    results, flipped_at, rolled_at = asyncio.run(run())
+    results, (deploying_at, flipped_at, rolling_at, rolled_at) = asyncio.run(run())
     assert len(results) > 20
     for _, aid, text in results:
         assert aid in (first, second)
         assert text == adapter_markers[aid]
-    before = [aid for t, aid, _ in results if t < flipped_at]
-    deployed = [aid for t, aid, _ in results if flipped_at + ROUTER_ALIAS_BOUND_S < t < rolled_at]
+    before = [aid for t, aid, _ in results if t < deploying_at]
+    deployed = [aid for t, aid, _ in results if flipped_at + ROUTER_ALIAS_BOUND_S < t < rolling_at]
     rolled = [aid for t, aid, _ in results if t > rolled_at + ROUTER_ALIAS_BOUND_S]
     assert before and set(before) == {first}
     assert deployed and set(deployed) == {second}
