@@ -612,16 +612,20 @@ class Engine:
                 self._in_forward = {r.id for r in batch_reqs}
             try:
                 pad_to = bucket_rows(len(seqs)) if self.compiled and not prefill else None
-                batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
-                                         decode_from=len(prefill), pad_block=self.kv.null_block,
-                                         decode_tables=self.decode_tables, buffers=self._buffers, pad_to=pad_to,
-                                         scratch_slot=self.kv.scratch_block * self.kv.block_size)
                 if pad_to is not None:
                     slots = slots + [0] * (pad_to - len(slots))
-                if self.lora is not None:
-                    batch.lora = self.lora.prepare(slots, prefill=bool(prefill))
+
+                def forward():
+                    batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
+                                             decode_from=len(prefill), pad_block=self.kv.null_block,
+                                             decode_tables=self.decode_tables, buffers=self._buffers,
+                                             pad_to=pad_to, scratch_slot=self.kv.scratch_block * self.kv.block_size)
+                    if self.lora is not None:
+                        batch.lora = self.lora.prepare(slots, prefill=bool(prefill))
+                    return self.runner.forward(batch, self.kv)
+
                 try:
-                    logits = self.runner.forward(batch, self.kv)
+                    logits = forward()
                 except Exception as e:  # noqa: BLE001 - re-raised unless the paged kernel's compile failed
                     if self.decode_tables is None or not paged_attention.is_compile_error(e):
                         raise
@@ -631,21 +635,18 @@ class Engine:
                     # gathered path from now on; the step is rerun (rewriting the same K/V is harmless)
                     log.exception("paged decode attention failed; switching to the gathered path")
                     self.decode_tables = None
-                    batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
-                                             decode_from=len(prefill), pad_block=self.kv.null_block,
-                                             buffers=self._buffers, pad_to=pad_to,
-                                             scratch_slot=self.kv.scratch_block * self.kv.block_size)
-                    batch.lora = self.lora.prepare(slots, prefill=bool(prefill)) if self.lora is not None else None
-                    logits = self.runner.forward(batch, self.kv)
+                    logits = forward()
                 # rows that produce a token: decode rows, and prefill rows whose prompt is complete
                 pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.ctx)]
                 pick += range(len(prefill), len(batch_reqs))
                 sreqs = [batch_reqs[i] for i in pick]
-                if pick and pick != list(range(pick[0], pick[0] + len(pick))):
-                    picked = logits.index_select(0, to_device(torch.tensor(pick), self.device))  # no host sync
-                else:
-                    picked = logits[pick[0] : pick[0] + len(pick)] if pick else logits[:0]
-                tokens = sample(picked, [r.params for r in sreqs], [r.gen for r in sreqs]) if pick else []
+                tokens = []
+                if pick:
+                    if pick == list(range(pick[0], pick[0] + len(pick))):
+                        picked = logits[pick[0] : pick[0] + len(pick)]
+                    else:  # an index built on the host, moved without a host sync
+                        picked = logits.index_select(0, to_device(torch.tensor(pick), self.device))
+                    tokens = sample(picked, [r.params for r in sreqs], [r.gen for r in sreqs])
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("engine step failed; failing %d requests", len(batch_reqs))
                 with self._lock:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from handler import paged_attention
+
 log = logging.getLogger(__name__)
 
 # Module names as PEFT and Hugging Face spell them; the order of the fused slices.
@@ -257,8 +259,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class StepBuffers:
     """Persistent device buffers for the per-step index tensors (token ids, positions, cache slots,
-    logits rows), filled from persistent pinned host buffers with non-blocking copies: no allocation
-    and no host sync per step, and fixed device addresses. Each name is written once per step; the
+    logits rows), filled from persistent pinned host buffers with non-blocking copies: no device or
+    pinned allocation and no host sync per step, and fixed device addresses. Each name is written once per step; the
     host staging is reused safely because a step reads its sampled tokens (a sync) before the next
     one builds. On CPU the host tensor is used as it is."""
 
@@ -473,8 +475,6 @@ def attend_group(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     KVH = kv.num_kv_heads
     gqa = KVH != H
     if g.kind == "paged":
-        from handler import paged_attention
-
         return paged_attention.attend(q, kv.k[layer], kv.v[layer], g.paged, window)
     if g.kind == "self":
         B, L = g.num_seqs, g.max_q

@@ -146,9 +146,10 @@ class DecodeTables:
                 host = host.pin_memory()
             buf = self._buffer(w, B)[:B]
             buf[:, 0, 0, :width].copy_(host, non_blocking=True)
-            # the mask's operands are int64 like the kernel's kv index (an int32 operand makes
-            # inductor's CPU template emit a vector cast that does not compile for some shapes)
-            out[w] = WindowTables(_rows([n - s for n, s in zip(nb, sb)], self.device, torch.int32).view(B, 1, 1), buf,
+            _mark_rows(buf)
+            torch._dynamo.maybe_mark_dynamic(buf, 3)  # the pool's width in blocks: any cache size
+            out[w] = WindowTables(_mark_rows(_rows([n - s for n, s in zip(nb, sb)], self.device,
+                                                   torch.int32).view(B, 1, 1)), buf,
                                   _rows([t[s] for t, s in zip(tables, sb)], self.device),
                                   _rows([s - s0 * bs for s, s0 in zip(start, sb)], self.device))
         return PagedDecode(_rows([t[n - 1] for t, n in zip(tables, nb)], self.device),
@@ -157,10 +158,18 @@ class DecodeTables:
 
 def _rows(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One tensor of its own per operand (views into a shared one would add storage-offset guards
-    to the compiled kernel). The mask's operands are int64 like the kernel's kv index."""
+    to the compiled kernel). The mask's operands are int64 like the kernel's kv index (an int32
+    operand makes inductor's CPU template emit a vector cast that does not compile for some shapes)."""
     from handler.model import to_device
 
-    return to_device(torch.tensor(values, dtype=dtype), device)
+    return _mark_rows(to_device(torch.tensor(values, dtype=dtype), device))
+
+
+def _mark_rows(t: torch.Tensor) -> torch.Tensor:
+    """Dim 0 (the rows) dynamic: one compile serves every batch size, not one per size. Done once
+    per step for the step's metadata, shared by every layer's call."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
 
 
 def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: PagedDecode, window) -> torch.Tensor:
@@ -174,17 +183,13 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     w = meta.windows[window]
     # q copied: a slice of the step's queries has a storage offset, which the compiled kernel would
     # specialize on (a recompile per offset seen)
-    args = (q.clone().unsqueeze(2), w.kv_num, w.kv_idx, meta.last_blk, meta.tail, w.first_blk, w.head_skip)
-    for a in args:  # one dynamic-shape compile for every batch size (not one per size)
-        torch._dynamo.maybe_mark_dynamic(a, 0)
-    # and a symbolic pool length: with every size static (as at one row, which is always
-    # specialized), inductor's CPU backend picks its flash-decoding template, whose C++ for a
-    # mask_mod does not compile in torch 2.13 ("cur_kvSplitSize8 was not declared")
+    q4 = _mark_rows(q.clone().unsqueeze(2))
+    # a symbolic pool length: with every size static (as at one row, which is always specialized),
+    # inductor's CPU backend picks its flash-decoding template, whose C++ for a mask_mod does not
+    # compile in torch 2.13 ("cur_kvSplitSize8 was not declared")
     torch._dynamo.maybe_mark_dynamic(k, 2)
     torch._dynamo.maybe_mark_dynamic(v, 2)
-    torch._dynamo.maybe_mark_dynamic(w.kv_idx, 3)  # the pool's width in blocks: any cache size
-    q4, kv_num, kv_idx, last_blk, tail, first_blk, head_skip = args
-    out = _kernel()(q4, k, v, kv_num, kv_idx, last_blk, tail, first_blk, head_skip, bs)
+    out = _kernel()(q4, k, v, w.kv_num, w.kv_idx, meta.last_blk, meta.tail, w.first_blk, w.head_skip, bs)
     return out.squeeze(2)
 
 
