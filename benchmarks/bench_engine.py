@@ -31,9 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler import paged_attention
 from handler.engine import Engine, SamplingParams
-from handler.model import ModelConfig
 
 SUITE = "engine"
 BATCH, PROMPT, NEW, RANK, ALPHA = 32, 64, 64, 16, 32
@@ -82,20 +80,12 @@ class Setup:
         self.adapters = _adapters(self.model_dir, BATCH)
         g = torch.Generator().manual_seed(1)
         self.prompts = torch.randint(3, 450, (BATCH, PROMPT), generator=g)
-        self.attention = self._attention()
+        self.attention = "auto"
         self.engine = self.new_engine()
+        # what "auto" picked (the engine's probe), fixed for every later engine of the run
+        self.attention, self.probe = self.engine.attention, self.engine.measure_attention()
         self._peft = None
         self._rid = 0
-
-    def _attention(self) -> str:
-        """What the engine's "auto" picks (its startup probe), fixed for every engine of the run: a
-        switch in the middle of a timed run would mix the two."""
-        from handler.model import load_hf_config
-
-        cfg = ModelConfig.from_hf(load_hf_config(self.model_dir))
-        self.probe = paged_attention.probe(torch.device(self.device), torch.float32, cfg.num_heads, cfg.num_kv_heads,
-                                           cfg.head_dim, 16, windows=set(cfg.sliding_windows) | {None}, rows=BATCH)
-        return "paged" if self.probe.faster else "gather"
 
     def new_engine(self, attention: str | None = None) -> Engine:
         engine = Engine(self.model_dir, device=self.device, dtype=torch.float32, kv_cache_bytes=64 << 20,

@@ -118,8 +118,8 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
     p.add_argument("--attention", default="auto", choices=["auto", "paged", "gather"],
                    help="decode attention: paged (read in place on the KV cache, a compiled kernel), gather "
-                        "(blocks copied out, then SDPA), or auto (paged where it compiles and is measured faster "
-                        "at startup; gathered meanwhile)")
+                        "(blocks copied out, then SDPA), or auto (paged where it compiles and is measured no slower "
+                        "at startup)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
                         "cuda); compiles for a minute or more at first use")

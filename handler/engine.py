@@ -209,7 +209,7 @@ class Engine:
         comparison).
         attention: decode attention, "paged" (in place on the cache, `handler.paged_attention`),
         "gather" (each bucket's blocks copied out, then SDPA) or "auto" (paged where it compiles and
-        is measured faster at startup).
+        is measured no slower here, at construction).
         compile: torch.compile the layer pieces for decode-only steps, padded to batch buckets
         (`Runner.compile`; CUDA graphs on CUDA). Steps with prefill stay eager.
         """
@@ -271,14 +271,12 @@ class Engine:
         self.compiled = bool(compile)
         if self.compiled:
             self.runner.compile()
+        # the probe runs here, before the engine serves: compiling in a thread beside serving (or
+        # beside a test runner) imports modules concurrently with code iterating over them (a CI run
+        # failed on "dictionary changed size during iteration"), and takes the GIL from serving
         self.decode_tables: DecodeTables | None = None
-        self._paged_ready: DecodeTables | None = None
-        self._auto_attention = attention == "auto"
-        if attention == "paged":
-            self.decode_tables = self._probe_attention(required=True)
-        elif attention == "auto":  # serve gathered meanwhile: compiling takes seconds
-            # not a daemon: a compile cut off by the interpreter's exit aborted the process once
-            threading.Thread(target=self._probe_attention, name="attention-probe").start()
+        if attention != "gather":
+            self.decode_tables = self._probe_attention(required=attention == "paged")
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -539,8 +537,7 @@ class Engine:
     @property
     def attention(self) -> str:
         """The decode attention the next step uses: "paged" or "gather"."""
-        ready = self._paged_ready is not None and self._auto_attention
-        return "gather" if self.decode_tables is None and not ready else "paged"
+        return "gather" if self.decode_tables is None else "paged"
 
     def set_attention(self, attention: str) -> None:
         """Use this decode attention ("paged" or "gather") from the next step on (benchmarks, tests)."""
@@ -548,31 +545,32 @@ class Engine:
             raise ValueError(f"attention must be 'paged' or 'gather', not {attention!r}")
         tables = self._probe_attention(required=True) if attention == "paged" else None
         with self._step_lock:
-            self._auto_attention = False
             self.decode_tables = tables
 
-    def _probe_attention(self, required: bool = False) -> DecodeTables | None:
-        """Compile, check and time the paged decode kernel (`paged_attention.probe`); with `required`
-        ("paged") a failure is an error, else ("auto") the step switches to it only when it is
-        measured faster than the gathered path."""
+    def measure_attention(self) -> paged_attention.Probe:
+        """The paged decode kernel compiled, checked and timed against the gathered path for this
+        engine's shapes (`paged_attention.probe`, cached per process)."""
         c = self.config
         try:
-            p = paged_attention.probe(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
-                                      self.kv.block_size, windows=self.runner.windows, rows=min(self.max_batch, 32))
+            return paged_attention.probe(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         self.kv.block_size, windows=self.runner.windows, rows=min(self.max_batch, 32))
         except Exception as e:  # noqa: BLE001 - the probe's own failure: stay on the gathered path
-            p = paged_attention.Probe(False, f"probe failed: {type(e).__name__}: {e}")
+            return paged_attention.Probe(False, f"probe failed: {type(e).__name__}: {e}")
+
+    def _probe_attention(self, required: bool = False) -> DecodeTables | None:
+        """The paged kernel's tables if it is used: with `required` ("paged") a failure is an error,
+        else ("auto") only when it is measured no slower than the gathered path."""
+        p = self.measure_attention()
         if required and not p.ok:
             raise ValueError(f"attention 'paged': {p.reason}")
         if not required and not p.faster:
             log.info("decode attention: gathered (paged %s: %.3f / %.3f ms vs gathered %.3f / %.3f ms, mixed / short "
                      "contexts)", p.reason, p.paged_ms, p.short_paged_ms, p.gathered_ms, p.short_gathered_ms)
             return None
-        tables = DecodeTables(self.kv, self.max_batch)
         if not required:
             log.info("decode attention: paged (%.3f / %.3f ms vs gathered %.3f / %.3f ms, mixed / short contexts)",
                      p.paged_ms, p.short_paged_ms, p.gathered_ms, p.short_gathered_ms)
-            self._paged_ready = tables  # taken by the next step
-        return tables
+        return DecodeTables(self.kv, self.max_batch)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -584,10 +582,6 @@ class Engine:
         """Admit, run one forward pass (bounded prefill + one decode token per running request),
         sample and emit events. Returns False when there was nothing to run."""
         with self._step_lock:
-            if self._paged_ready is not None:  # the background probe chose the paged kernel
-                if self._auto_attention:
-                    self.decode_tables = self._paged_ready
-                self._paged_ready = None
             events: list[tuple[_Request, TokenEvent]] = []
             with self._lock:
                 self._grow_decode_blocks()  # running rows first, then newcomers with what is left

@@ -105,7 +105,7 @@ class ReplicaMetrics:
         self.decode_attention_paged = Gauge(
             "lorafarm_decode_attention_paged",
             "1 when decode attention reads the paged KV cache in place (the compiled kernel), 0 when it "
-            "gathers each bucket's blocks (--attention; auto switches once its startup probe finishes).",
+            "gathers each bucket's blocks (--attention; auto decides at startup).",
             registry=r)
         self.adapter_slot_hits = Counter(
             "lorafarm_adapter_slot_hits", "Requests whose adapter was already in a device slot.", registry=r)
