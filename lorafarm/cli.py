@@ -13,6 +13,7 @@ from lorafarm.errors import CliError
 # Modules with a `register(subparsers)` function, in the order their commands are listed.
 COMMAND_MODULES = [
     "lorafarm.dev.cli",
+    "lorafarm.realmodel",
     "archives.cli",
     "handler.cli",
     "registry.cli",
