@@ -17,16 +17,25 @@ Normalize: e / max(||e||_2, 1e-12). `dimensions = d` keeps the first d component
 truncation) and then normalises again when the model normalises.
 
 `EmbeddingBatcher` collects the inputs of concurrent requests into batches of at most `max_batch`
-inputs (sorted by length inside a batch so padding stays small) and runs each batch in a worker
-thread, so the event loop keeps accepting requests while the encoder runs.
+inputs and `max_batch_tokens` tokens (sorted by length inside a batch so padding stays small) and runs
+each batch in a worker thread, so the event loop keeps accepting requests while the encoder runs.
+
+Batches are formed fairly (`FairQueue`), not first-in-first-out: deficit round robin by tokens across
+tenants (the router's `x-lorafarm-tenant`; a request without one is its own flow), and inside a tenant
+round robin across its requests in chunks of at most `request_chunk` inputs. So one tenant's 2,048
+inputs are split into bounded chunks interleaved with everyone else's, and a small request that arrives
+behind them is in the next batch formed: it waits for at most the batch that is running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import itertools
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,6 +156,7 @@ class Encoder:
         self.vocab_size = int(cfg.vocab_size)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._takes_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self._tokenizer_lock = threading.Lock()
 
     # -- tokens -----------------------------------------------------------------------------
 
@@ -154,7 +164,8 @@ class Encoder:
         """Token ids per text, special tokens included, as sentence-transformers feeds the model."""
         if self.layout.do_lower_case:
             texts = [t.lower() for t in texts]
-        return self.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
+        with self._tokenizer_lock:  # a fast tokenizer is not safe to call from two threads at once
+            return self.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
 
     def check_ids(self, ids: list[list[int]]) -> None:
         for i, row in enumerate(ids):
@@ -203,18 +214,128 @@ class Encoder:
 class _Job:
     ids: list[list[int]]
     future: asyncio.Future
+    flow: str = ""
     done: int = 0
     out: list[torch.Tensor | None] = field(default_factory=list)
+    next_row: int = 0  # the first row not yet handed to a batch
+
+    @property
+    def rows_left(self) -> int:
+        return len(self.ids) - self.next_row
+
+
+@dataclass
+class _Flow:
+    """One tenant's requests, in arrival order; `deficit` is its unspent token credit (DRR)."""
+
+    key: str
+    jobs: collections.deque = field(default_factory=collections.deque)
+    deficit: int = 0
+    chunk_taken: int = 0  # rows the head job gave since it became the head
+
+
+class FairQueue:
+    """Which rows go into the next batch: deficit round robin by tokens across flows (tenants), round
+    robin in chunks of `request_chunk` rows across one flow's requests. Pure bookkeeping, no I/O: the
+    scheduling order is unit-tested on its own (tests/handler/test_embed_fair.py).
+
+    Each round visits the active flows in turn; a visited flow gets `quantum` tokens of credit and
+    hands over rows (its head request's next ones) while their tokens fit its credit and the batch has
+    room (`max_batch` rows, `max_batch_tokens` tokens; a batch always takes at least one row). A flow
+    with nothing left leaves the round with its credit reset; a request that gave `request_chunk` rows
+    in a row goes to the back of its flow. `quantum` is at least the longest row, so every visit takes
+    at least one row: with F active flows a newly arrived row is in the next batch as long as
+    F <= max_batch.
+    """
+
+    def __init__(self, max_batch: int = 32, *, quantum: int = 512, request_chunk: int | None = None,
+                 max_batch_tokens: int | None = None):
+        self.max_batch = max(1, max_batch)
+        self.quantum = max(1, quantum)
+        self.request_chunk = max(1, request_chunk if request_chunk is not None else max(1, self.max_batch // 4))
+        self.max_batch_tokens = max_batch_tokens
+        self._flows: collections.OrderedDict[str, _Flow] = collections.OrderedDict()  # active, visit order
+        self._anon = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(j.rows_left for f in self._flows.values() for j in f.jobs)
+
+    def __bool__(self) -> bool:
+        return bool(self._flows)
+
+    def push(self, job: _Job) -> None:
+        if not job.flow:
+            job.flow = f"-{next(self._anon)}"  # no tenant: a flow of its own
+        f = self._flows.get(job.flow)
+        if f is None:
+            f = self._flows[job.flow] = _Flow(job.flow)
+        f.jobs.append(job)
+
+    def _drop_finished(self, f: _Flow) -> None:
+        while f.jobs and (f.jobs[0].rows_left == 0 or f.jobs[0].future.done()):
+            f.jobs.popleft()
+            f.chunk_taken = 0
+
+    def next_batch(self) -> list[tuple[_Job, int]]:
+        """The (request, row) pairs of the next batch (empty when nothing is waiting)."""
+        batch: list[tuple[_Job, int]] = []
+        tokens = 0
+        while self._flows and len(batch) < self.max_batch:
+            full = False
+            for key in list(self._flows):
+                f = self._flows[key]
+                self._drop_finished(f)
+                if not f.jobs:
+                    del self._flows[key]
+                    continue
+                head = f.jobs[0]
+                if batch and self.max_batch_tokens is not None and \
+                        tokens + len(head.ids[head.next_row]) > self.max_batch_tokens:
+                    full = True  # this flow's turn starts the next batch
+                    break
+                f.deficit += self.quantum
+                while f.jobs and len(batch) < self.max_batch:
+                    job = f.jobs[0]
+                    n = len(job.ids[job.next_row])
+                    if n > f.deficit and f.deficit < self.quantum:
+                        break  # spent this round (a row longer than the quantum still goes on a fresh credit)
+                    if batch and self.max_batch_tokens is not None and tokens + n > self.max_batch_tokens:
+                        full = True
+                        break
+                    batch.append((job, job.next_row))
+                    job.next_row += 1
+                    tokens += n
+                    f.deficit = max(0, f.deficit - n)
+                    f.chunk_taken += 1
+                    if job.rows_left == 0:
+                        f.jobs.popleft()
+                        f.chunk_taken = 0
+                    elif f.chunk_taken >= self.request_chunk:
+                        f.jobs.rotate(-1)  # this request had its chunk: the flow's next request goes on
+                        f.chunk_taken = 0
+                    self._drop_finished(f)
+                self._flows.move_to_end(key)  # the next round (and the next batch) starts after it
+                if not f.jobs:
+                    del self._flows[key]
+                    f.deficit = 0
+                if full or len(batch) >= self.max_batch:
+                    break
+            if full:
+                break
+        return batch
 
 
 class EmbeddingBatcher:
-    """Batches the inputs of concurrent requests (see the module docstring)."""
+    """Batches the inputs of concurrent requests fairly (see the module docstring and `FairQueue`)."""
 
-    def __init__(self, encoder: Encoder, max_batch: int = 32, on_batch=None):
+    def __init__(self, encoder: Encoder, max_batch: int = 32, on_batch=None, *, request_chunk: int | None = None,
+                 max_batch_tokens: int | None = None):
         self.encoder = encoder
         self.max_batch = max(1, max_batch)
         self.on_batch = on_batch or (lambda n, seconds: None)
-        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self.queue = FairQueue(self.max_batch, quantum=max(1, int(getattr(encoder, "max_tokens", 512))),
+                               request_chunk=request_chunk, max_batch_tokens=max_batch_tokens)
+        self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.in_flight_inputs = 0
         self.in_flight_tokens = 0
@@ -229,17 +350,21 @@ class EmbeddingBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def embed(self, ids: list[list[int]]) -> torch.Tensor:
-        """[len(ids), dimension] for one request's inputs (already checked)."""
-        job = _Job(ids=ids, future=asyncio.get_running_loop().create_future(), out=[None] * len(ids))
+    async def embed(self, ids: list[list[int]], tenant: str | None = None) -> torch.Tensor:
+        """[len(ids), dimension] for one request's inputs (already checked); `tenant` is its flow."""
+        job = _Job(ids=ids, future=asyncio.get_running_loop().create_future(), flow=tenant or "",
+                   out=[None] * len(ids))
         tokens = sum(len(r) for r in ids)
         self.in_flight_inputs += len(ids)
         self.in_flight_tokens += tokens
         self.running += 1
         try:
-            await self._queue.put(job)
+            self.queue.push(job)
+            self._wake.set()
             return await job.future
         finally:
+            if not job.future.done():
+                job.future.cancel()  # a cancelled request's rows are skipped by the queue
             self.in_flight_inputs -= len(ids)
             self.in_flight_tokens -= tokens
             self.running -= 1
@@ -247,16 +372,12 @@ class EmbeddingBatcher:
     async def _loop(self) -> None:
         import time
 
-        pending: list[tuple[_Job, int]] = []  # (job, row index) not yet run
         while True:
-            if not pending:
-                job = await self._queue.get()
-                pending.extend((job, i) for i in range(len(job.ids)))
-            while not self._queue.empty() and len(pending) < self.max_batch:
-                job = self._queue.get_nowait()
-                pending.extend((job, i) for i in range(len(job.ids)))
-            batch, pending = pending[: self.max_batch], pending[self.max_batch :]
-            batch = [(j, i) for j, i in batch if not j.future.done()]
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [(j, i) for j, i in self.queue.next_batch() if not j.future.done()]
             if not batch:
                 continue
             batch.sort(key=lambda ji: len(ji[0].ids[ji[1]]))

@@ -5,6 +5,11 @@ replica: `POST /v1/embeddings`, `GET /v1/models`, `GET /internal/replicas/{id}/s
 `GET /metrics`; it joins the registry and heartbeats when `--registry` is given.
 
 Chat and completion requests are answered 400 (`model_not_chat`): this worker only embeds.
+
+Fairness: the router names the tenant of each request (`x-lorafarm-tenant`); the batcher interleaves
+tenants (deficit round robin by tokens) and splits a large request into chunks (`handler.embed`).
+Tokenising the inputs and encoding the JSON answer (2,048 vectors are megabytes) run in a worker
+thread, not on the event loop, so a huge request does not stall the others' answers either.
 """
 
 from __future__ import annotations
@@ -158,7 +163,8 @@ class EmbedService:
                 backoff = min(backoff * 2, 15.0)
             await asyncio.sleep(backoff)
 
-    async def embeddings(self, raw: bytes) -> dict:
+    async def embeddings(self, raw: bytes, tenant: str | None = None) -> bytes:
+        """The JSON answer's bytes (built off the event loop)."""
         import json
 
         try:
@@ -177,20 +183,31 @@ class EmbedService:
             raise oai.bad_request(f"'dimensions' must be at most {enc.dimension} for model {self.model_name}",
                                   param="dimensions")
         try:
-            ids = enc.tokenize(req.texts) if req.texts is not None else req.token_ids
-            enc.check_ids(ids)
+            ids = await asyncio.to_thread(_token_ids, enc, req.texts, req.token_ids)
         except EmbeddingInputError as e:
             raise oai.bad_request(str(e), param=e.param, code=e.code) from None
-        emb = enc.finish(await self.batcher.embed(ids), req.dimensions)
+        emb = enc.finish(await self.batcher.embed(ids, tenant), req.dimensions)
         tokens = sum(len(r) for r in ids)
         self.metrics.inputs.inc(len(ids))
         self.metrics.tokens.inc(tokens)
-        if req.encoding_format == "base64":
-            data = [{"object": "embedding", "index": i, "embedding": base64_float32(v)} for i, v in enumerate(emb)]
-        else:
-            data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(emb)]
-        return {"object": "list", "data": data, "model": self.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return await asyncio.to_thread(_answer, emb, req.encoding_format, self.model_name, tokens)
+
+
+def _token_ids(enc: Encoder, texts, token_ids) -> list[list[int]]:
+    ids = enc.tokenize(texts) if texts is not None else token_ids
+    enc.check_ids(ids)
+    return ids
+
+
+def _answer(emb, encoding_format: str, model: str, tokens: int) -> bytes:
+    import json
+
+    if encoding_format == "base64":
+        data = [{"object": "embedding", "index": i, "embedding": base64_float32(v)} for i, v in enumerate(emb)]
+    else:
+        data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(emb)]
+    return json.dumps({"object": "list", "data": data, "model": model,
+                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, separators=(",", ":")).encode()
 
 
 def _svc(request: Request) -> EmbedService:
@@ -205,12 +222,12 @@ def _svc(request: Request) -> EmbedService:
 async def embeddings(request: Request) -> Response:
     svc = _svc(request)
     try:
-        out = await svc.embeddings(await request.body())
+        out = await svc.embeddings(await request.body(), request.headers.get("x-lorafarm-tenant") or None)
     except oai.OpenAIError as e:
         svc.metrics.requests(str(e.status)).inc()
         raise
     svc.metrics.requests("200").inc()
-    return _json_response(200, out)
+    return Response(content=out, status_code=200, media_type="application/json")
 
 
 def _not_chat(request: Request) -> Response:

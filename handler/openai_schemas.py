@@ -16,11 +16,12 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lorafarm.limits import MAX_N  # one limit for `n` at the router and the replica
+
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (logits / T would overflow to inf/nan)
-MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
 
@@ -209,6 +210,15 @@ class _SamplingFields(_Strict):
                 raise ValueError(f"stop sequences are at most {MAX_STOP_LENGTH} characters")
         return stops
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_numbers(cls, v):
+        if isinstance(v, dict):  # numbers, not "5" or true (the router refuses those the same way)
+            for k, b in v.items():
+                if isinstance(b, bool) or not isinstance(b, (int, float)):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {str(b)[:40]}")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
@@ -217,8 +227,9 @@ class _SamplingFields(_Strict):
         if len(v) > 300:
             raise ValueError("logit_bias has at most 300 entries")
         for k, b in v.items():
-            if not k.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {k!r}")
+            # ASCII digits only: str.isdigit() is also true for "²" or "٣", which int() refuses or reads
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise ValueError(f"logit_bias keys are token ids (decimal integers), got {k[:40]!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v

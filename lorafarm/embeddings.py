@@ -4,6 +4,7 @@ the embedding worker: `parse_embeddings(body) -> EmbeddingsRequest` or `Embeddin
 Accepted as OpenAI does: `input` a string, a list of strings, a list of token ids, or a list of
 lists of token ids; at most `MAX_INPUTS` inputs, none empty; `encoding_format` "float" (default) or
 "base64"; `dimensions` a positive integer (the worker checks it against the model); `user` a string.
+Any other field is a 400 naming it (`unsupported_parameter`), as for chat and completions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
 
 
 class EmbeddingsRequestError(ValueError):
@@ -47,6 +49,11 @@ def _is_int(x) -> bool:
 def parse_embeddings(body) -> EmbeddingsRequest:
     if not isinstance(body, dict):
         raise EmbeddingsRequestError("The request body must be a JSON object.")
+    unknown = next((k for k in body if k not in FIELDS), None)
+    if unknown is not None:
+        name = str(unknown)[:64]
+        raise EmbeddingsRequestError(f"Invalid request: {name} is not a parameter this server supports", name,
+                                     "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise EmbeddingsRequestError("you must provide a model parameter", "model", "missing_required_parameter")

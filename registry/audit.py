@@ -1,6 +1,6 @@
-"""The audit trail: every change to a tenant, API key, adapter or alias writes one `audit_log` row
-inside the same transaction as the change (so a rolled-back change leaves no row), and one JSON line
-on the `lorafarm.audit` logger once it committed.
+"""The audit trail: every change to a tenant, API key, adapter, alias, foreign worker or latency-critical
+model writes one `audit_log` row inside the same transaction as the change (so a rolled-back change
+leaves no row), and one JSON line on the `lorafarm.audit` logger once it committed.
 
 Who: the admin token is shared, so callers name themselves in the `x-lorafarm-actor` header (the
 CLI sends $LORAFARM_ACTOR, else user@host); the client address is kept beside it.

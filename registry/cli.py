@@ -271,8 +271,10 @@ def _workers_add(args) -> int:
         raise CliError("--weight must be positive")
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", args.url):
         raise CliError(f"--url {args.url!r}: expected http(s)://host[:port][/path]")
-    if args.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", args.api_key_env):
-        raise CliError(f"--api-key-env {args.api_key_env!r} is not an environment variable name")
+    from lorafarm.limits import worker_key_env_error
+
+    if args.api_key_env is not None and (why := worker_key_env_error(args.api_key_env)):
+        raise CliError("--" + why.replace("_", "-", 2))
     out = _call(args, lambda reg: reg.put_worker(args.name, args.url, args.kind, args.api_key_env, args.weight))
     secret = f"; the router reads its key from ${out['api_key_env']}" if out.get("api_key_env") else ""
     print(f"worker {out['name']} ({out['kind']}) at {out['url']}, weight {out['weight']:g}{secret}")
@@ -433,7 +435,8 @@ def register(sub) -> None:
     p.add_argument("--kind", required=True, choices=["openai", "ollama"],
                    help="openai: any OpenAI-compatible server (vLLM, transformers serve, llama.cpp); ollama")
     p.add_argument("--api-key-env", default=None, metavar="VAR",
-                   help="the router's environment variable holding the worker's API key (the key is never stored)")
+                   help="the router's environment variable holding the worker's API key, named "
+                        "LORAFARM_WORKER_KEY_<NAME> (any other name is refused; the key is never stored)")
     p.add_argument("--weight", type=float, default=1.0, help="capacity weight for the weighted strategy (default 1)")
     _connection_flags(p)
     p.set_defaults(func=_workers_add)

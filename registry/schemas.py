@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from litestar.datastructures import UploadFile
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from lorafarm.limits import WORKER_KEY_ENV_PATTERN
 
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{1,62}$"
 ADAPTER_ID_PATTERN = r"^ad-[0-9a-f]{20}$"
@@ -224,15 +226,26 @@ class RoutingAdapter(BaseModel):
 
 
 WORKER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-ENV_VAR_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+ENV_VAR_PATTERN = WORKER_KEY_ENV_PATTERN  # only LORAFARM_WORKER_KEY_*: never another of the router's secrets
 
 
 class WorkerIn(_In):
     url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=1024)
     kind: str = Field(pattern=r"^(openai|ollama)$", description="openai (any OpenAI-compatible server) | ollama")
-    api_key_env: str | None = Field(default=None, pattern=ENV_VAR_PATTERN,
-                                    description="environment variable of the router holding the worker's API key")
+    api_key_env: str | None = Field(default=None, max_length=128, json_schema_extra={"pattern": ENV_VAR_PATTERN},
+                                    description="environment variable of the router holding the worker's API key: "
+                                                "LORAFARM_WORKER_KEY_<NAME> only")
     weight: float = Field(default=1.0, gt=0, le=1e6)
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, v):
+        from lorafarm.limits import worker_key_env_error
+
+        why = worker_key_env_error(v)
+        if why:
+            raise ValueError(why)
+        return v
 
 
 class WorkerOut(BaseModel):
@@ -281,6 +294,6 @@ class AuditOut(BaseModel):
     actor: str
     client: str | None
     action: str = Field(description="e.g. tenant.create, key.rotate, adapter.delete, alias.set")
-    target_kind: str = Field(description="tenant | key | adapter | alias")
+    target_kind: str = Field(description="tenant | key | adapter | alias | worker | model")
     target: str
     detail: dict

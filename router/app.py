@@ -399,6 +399,10 @@ class RouterCore:
             access_log.info("request_id=%s tenant=%s model=%s status=404 model_not_found",
                             request_id, tenant.tenant_id, _printable(parsed.model))  # fmt: skip
             raise ApiError(404, str(e), code="model_not_found", param="model", headers=limit.headers) from None
+        wrong = self.catalog.wrong_endpoint(resolved, endpoint == EMBEDDINGS)
+        if wrong is not None:  # an embedding model sent to chat or the reverse: the client's mistake
+            self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
+            raise ApiError(400, wrong[0], code=wrong[1], param="model", headers=limit.headers)
         ranked = [r for r in self.route(resolved, parsed.cost) if self._task_ok(r.replica_id, endpoint)]
         body = dict(parsed.body)
         body["model"] = resolved.upstream_model

@@ -3,8 +3,11 @@
 Keys are cached by their SHA-256, never in clear. A key the registry rejects is cached as
 invalid for a shorter TTL (so a brute-force loop does not hammer the registry). Concurrent
 requests with the same uncached key share one registry call. If the registry cannot be reached,
-a tenant verified within `stale_grace` seconds keeps working; otherwise the request fails with
-AuthUnavailable (503), never with a 401 the key did not deserve."""
+a cached tenant keeps working for at most `stale_grace` seconds (default 30) past its entry's TTL
+(default 30): a key the registry revoked while this router could not hear of it works at most
+ttl + stale_grace = 60 s after the router last verified it. Past that the request fails with
+AuthUnavailable (503), never with a 401 the key did not deserve. (While the registry is reachable a
+revocation reaches the router at its next routing poll: `revoke_key_ids`.)"""
 
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ class AuthCache:
         verify: Verifier,
         ttl: float = 30.0,
         negative_ttl: float = 5.0,
-        stale_grace: float = 300.0,
+        stale_grace: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         max_entries: int = 100_000,
     ):
@@ -135,7 +138,7 @@ class AuthCache:
 
     def _unreachable(self, e: Exception, old: _Entry | None) -> Tenant:
         now = self.clock()
-        if old is not None and old.tenant is not None and now - old.verified_at <= self.stale_grace:
+        if old is not None and old.tenant is not None and now - old.expires <= self.stale_grace:
             log.warning("registry unreachable for auth (%s); using the cached tenant %s", e, old.tenant.tenant_id)
             return old.tenant
         log.warning("cannot verify an API key: %s", e)

@@ -8,7 +8,16 @@ model (vLLM's convention for adapters). `GET /v1/models/{id}` answers one of tho
 
 Resolution: a tenant reaches its own aliases, its own adapter ids and the base models; anything
 else, existing or not, is `model_not_found` (the same answer either way, so a tenant cannot probe
-for another's names)."""
+for another's names).
+
+Foreign workers add base models only: a name a worker lists that is one of the table's aliases or
+adapter ids (or has their shape: `router.workers` skips those) is neither listed nor resolved.
+
+Endpoint check (`wrong_endpoint`): a model only embedding workers serve, sent to chat/completions,
+and an adapter, alias or model only generating replicas serve, sent to `/v1/embeddings`, are the
+client's mistake: a 400 naming the right endpoint, not a 503 "no replica". The task of a model is
+learned from the replicas' state reports (`task`) and kept while the router runs; a foreign worker's
+models have no known task and are not checked."""
 
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ class Catalog:
         self._created = int(time.time())
         self.workers = None  # router.workers.ForeignWorkers: their models join the union
         self._ids_for: tuple[object, dict[str, list[str]]] = (None, {})
+        self._tasks: dict[str, set[str]] = {}  # model -> tasks ("embed", "generate") replicas reported for it
 
     # -- union of replica models, cached ---------------------------------------------------
 
@@ -60,6 +70,10 @@ class Catalog:
             return
         table = self.view.table
         served: dict[str, str] = {}  # model name -> base_model_hash of a replica serving it
+        for e in self.view.replicas.values():  # what each model is for, whether in routing or not
+            if e.state is not None:
+                for m in e.state.models or ():
+                    self._tasks.setdefault(m, set()).add(e.state.task)
         for e in self.view.routable():
             models = list(e.state.models) if e.state is not None and e.state.models else list(e.models)
             h = (e.state.base_model_hash if e.state is not None else "") or e.base_model_hash
@@ -76,8 +90,9 @@ class Catalog:
         listed = set(served)
         self._served = set(served)
         if self.workers is not None:  # foreign workers: listed while in routing, resolvable (-> 503) after
-            listed |= self.workers.listed_models()
-            self._served |= self.workers.known_models()
+            ours = set(table.aliases) | set(table.adapters)  # base models only: never one of our names
+            listed |= self.workers.listed_models() - ours
+            self._served |= self.workers.known_models() - ours
         self._hash_names = hash_names
         self._base = [
             {"id": name, "object": "model", "created": self._created, "owned_by": OWNED_BY}
@@ -173,6 +188,23 @@ class Catalog:
             base_model_name=self._hash_names.get(h),
             owners_k=max(1, k),
         )
+
+
+    def wrong_endpoint(self, resolved: Resolved, embeddings: bool) -> tuple[str, str] | None:
+        """(message, code) when `resolved` is not a model of that endpoint (see the module docstring)."""
+        if embeddings:
+            if resolved.kind == "adapter":
+                return (f"`{resolved.requested}` is a chat model (a LoRA adapter); /v1/embeddings needs an "
+                        "embedding model", "model_not_embedding")
+            tasks = self._tasks.get(resolved.upstream_model, set())
+            if tasks and "embed" not in tasks:
+                return (f"`{resolved.requested}` is a chat model; /v1/embeddings needs an embedding model",
+                        "model_not_embedding")
+            return None
+        tasks = self._tasks.get(resolved.upstream_model, set()) if resolved.kind == "base" else set()
+        if tasks and "generate" not in tasks:
+            return (f"`{resolved.requested}` is an embedding model: use /v1/embeddings", "model_not_chat")
+        return None
 
 
 def _active(adapter: dict) -> bool:

@@ -6,6 +6,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from lorafarm.limits import MAX_N  # one limit for `n` at the router and the replica, refused here before any charge
+
 CHAT = "chat"
 COMPLETIONS = "completions"
 EMBEDDINGS = "embeddings"
@@ -13,7 +15,7 @@ UPSTREAM_PATH = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", E
 # what a torch.Generator accepts as a seed (the replica refuses the rest the same way)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1  # no model's context comes near; bounds what a request can charge or reserve
-MAX_N = 128  # OpenAI's own limit (the replica enforces the same)
+MAX_LOGIT_BIAS = 300  # entries (the replica's schema enforces the same)
 
 
 class ApiError(Exception):
@@ -141,6 +143,7 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must be an integer in [1, {MAX_N}]", param="n")
+    check_logit_bias(body.get("logit_bias"))
     return ParsedRequest(
         endpoint=endpoint,
         body=body,
@@ -150,6 +153,24 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
         max_tokens=max_tokens,
         n=n,
     )
+
+
+def check_logit_bias(bias) -> None:
+    """`logit_bias`: an object of token ids (ASCII decimal strings) -> numbers in [-100, 100]; a 400
+    here, so that no replica (nor a foreign worker) ever sees one that cannot be read."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' has at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    for k, v in bias.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10):
+            raise ApiError(400, f"'logit_bias' keys are token ids (decimal integers), got {k[:40]!r}",
+                           param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {str(v)[:40]}",
+                           param="logit_bias")
 
 
 def parse_embeddings_request(raw: bytes) -> ParsedRequest:

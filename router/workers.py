@@ -11,9 +11,16 @@ A poll that fails keeps the last lists ("possibly warm": routing still tries the
 workers that report the model loaded) and counts a failure; after `health_failures` in a row the
 worker is out of routing and its models leave the catalog, until a poll succeeds again.
 
-The secret: `api_key_env` names an environment variable of the router; the key is read from it at
-request time and sent as `Authorization: Bearer`, never stored in the registry. Requests to a foreign
-worker never carry the farm's admin token.
+The secret: `api_key_env` names an environment variable of the router, `LORAFARM_WORKER_KEY_<NAME>`
+only (`lorafarm.limits`; the CLI and the registry refuse any other name, and should a table row carry
+one anyway the router ignores it and sends no key); the key is read from it at request time and sent
+as `Authorization: Bearer`, never stored in the registry. Requests to a foreign worker never carry
+the farm's admin token.
+
+Catalogs: a worker's names are base models for every tenant, so a name of the shape of our own
+aliases (`tenant/name:label`) or adapter ids (`ad-<20 hex>`) is skipped (logged once per worker and
+name): a foreign server cannot plant a tenant's alias in everyone's `/v1/models` or catch requests
+meant for an adapter. The catalog also skips any name that is an alias or adapter id of the table.
 
 `snapshots()` gives `routing.ReplicaSnapshot`s (replica_id `worker:<name>`, `loaded_models` set) that
 join the replicas in `choose()`.
@@ -25,16 +32,21 @@ import asyncio
 import json
 import logging
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import httpx
 
+from lorafarm.limits import worker_key_env_error
 from router.polling import PollGroup
 from router.routing import ReplicaSnapshot
 
 log = logging.getLogger("lorafarm.router.workers")
 
 PREFIX = "worker:"
+# the shapes of registry.schemas.ALIAS_PATTERN and ADAPTER_ID_PATTERN
+_ALIAS_SHAPE = re.compile(r"[a-z0-9][a-z0-9-]{1,62}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_ADAPTER_SHAPE = re.compile(r"ad-[0-9a-f]{20}")
 
 
 @dataclass
@@ -51,13 +63,16 @@ class WorkerEntry:
     failures: int = 0  # failed polls (or refused connections) in a row
     local_tokens: int = 0
     local_connections: int = 0
+    skipped: set[str] = field(default_factory=set)  # listed names refused (logged once each)
 
     @property
     def replica_id(self) -> str:
         return PREFIX + self.name
 
     def headers(self) -> dict[str, str]:
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        if not self.api_key_env or worker_key_env_error(self.api_key_env):
+            return {}  # never another of the router's variables (apply() logged it)
+        key = os.environ.get(self.api_key_env)
         return {"authorization": f"Bearer {key}"} if key else {}
 
 
@@ -68,6 +83,24 @@ def _status_loaded(entry: dict) -> bool:
     if isinstance(status, dict):
         status = status.get("value")
     return str(status).lower() == "loaded"
+
+
+def looks_like_ours(name: str) -> bool:
+    """A name of the shape of one of our aliases or adapter ids (never a foreign base model)."""
+    return bool(_ALIAS_SHAPE.fullmatch(name) or _ADAPTER_SHAPE.fullmatch(name))
+
+
+def _foreign_names(e: WorkerEntry, installed: list[str], loaded: set[str]) -> tuple[list[str], set[str]]:
+    kept = []
+    for m in installed:
+        if looks_like_ours(m):
+            if m not in e.skipped:
+                e.skipped.add(m)
+                log.warning("foreign worker %s lists %r, which looks like a lorafarm alias or adapter id: "
+                            "skipped (foreign catalogs add base models only)", e.name, m)
+            continue
+        kept.append(m)
+    return kept, {m for m in loaded if not looks_like_ours(m)}
 
 
 def parse_openai_models(body) -> tuple[list[str], set[str]]:
@@ -122,7 +155,12 @@ class ForeignWorkers:
             if e is None or e.url != url or e.kind != kind:
                 e = self.workers[rid] = WorkerEntry(name=str(r["name"]), url=url, kind=kind)
                 log.info("foreign worker %s (%s) at %s joined", e.name, kind, url)
-            e.api_key_env = r.get("api_key_env") or None
+            key_env = r.get("api_key_env") or None
+            if key_env is not None and worker_key_env_error(str(key_env)):
+                if e.api_key_env != key_env:
+                    log.error("foreign worker %s: api_key_env %r is not LORAFARM_WORKER_KEY_*; no key is sent",
+                              e.name, key_env)
+            e.api_key_env = key_env
             try:
                 e.weight = float(r.get("weight") or 1.0)
             except (TypeError, ValueError):
@@ -163,6 +201,7 @@ class ForeignWorkers:
             return
         if e.failures >= self.health_failures:
             log.info("foreign worker %s is back", e.name)
+        installed, loaded = _foreign_names(e, installed, loaded)
         e.installed, e.loaded = tuple(installed), frozenset(loaded)
         e.polled_ok = e.ever_polled = True
         e.failures = 0

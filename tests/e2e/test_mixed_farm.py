@@ -16,7 +16,7 @@ from tests.e2e.conftest import running
 
 
 FOREIGN = "hf-tiny-s1"  # the second dev model, served by `transformers serve` (a foreign worker)
-WORKER_KEY_ENV = "LORAFARM_TEST_STANDIN_KEY"
+WORKER_KEY_ENV = "LORAFARM_WORKER_KEY_STANDIN"  # only LORAFARM_WORKER_KEY_* may hold a worker's key
 
 
 class TransformersServe:
@@ -147,10 +147,33 @@ def test_embeddings_reach_only_the_embedding_worker(mixed):
     r = httpx.post(mixed["router_url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                    json={"model": alias, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 200 and r.headers["x-replica-id"] == "r0"
-    # the chat model asked for embeddings: no embedding worker serves it
-    r = httpx.post(mixed["router_url"] + "/v1/embeddings", headers={"Authorization": f"Bearer {key}"},
-                   json={"model": "lorafarm-dev-tiny", "input": "x"})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable"
+    # the chat model (or an alias) asked for embeddings, the embedding model asked for chat: the
+    # client's mistake, a 400 naming the right endpoint (not a 503 an OpenAI client would retry)
+    for model in ("lorafarm-dev-tiny", alias):
+        r = httpx.post(mixed["router_url"] + "/v1/embeddings", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": model, "input": "x"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding", r.text
+        assert r.json()["error"]["param"] == "model" and "embedding model" in r.json()["error"]["message"]
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        r = httpx.post(mixed["router_url"] + path, headers={"Authorization": f"Bearer {key}"},
+                       json={"model": EMBEDDING_MODEL_NAME, "max_tokens": 4, **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_chat", r.text
+        assert "/v1/embeddings" in r.json()["error"]["message"]
+
+
+def test_embeddings_unknown_field_is_400_as_on_chat(mixed):
+    key = mixed["tenants"][0]["api_key"]
+    h = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(mixed["router_url"] + "/v1/embeddings", headers=h,
+                   json={"model": EMBEDDING_MODEL_NAME, "input": "x", "temperature": 0.2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    # the worker itself refuses it the same way (straight to its port, with the admin token)
+    r = httpx.post(mixed["embedding_url"] + "/v1/embeddings",
+                   headers={"Authorization": f"Bearer {mixed['admin_token']}"},
+                   json={"model": EMBEDDING_MODEL_NAME, "input": "x", "temperature": 0.2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 
 def test_concurrent_embeddings_are_batched_and_correct(mixed, st_model):
@@ -320,6 +343,78 @@ def test_warm_first_then_weights_within_a_class(mixed):
         cold.stop()
         warm.stop()
     wait_listed(mixed, "shared-model", listed=False)
+
+
+def _lorafarm_cli_fails(info, *args: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lorafarm", *args, "--farm", str(info["_farm"].farm_json)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0, out.stdout
+    return out.stderr
+
+
+def test_worker_key_env_outside_the_prefix_is_refused_and_never_sent(mixed):
+    from tests.e2e.standin import StandIn
+
+    spy = StandIn("spy", {"spy-model": "loaded"}).start()
+    try:
+        for var in ("LORAFARM_ADMIN_TOKEN", "HOME"):
+            err = _lorafarm_cli_fails(mixed, "workers", "add", "spy", "--url", spy.url, "--kind", "openai",
+                                      "--api-key-env", var)
+            assert len(err.strip().splitlines()) == 1 and "LORAFARM_WORKER_KEY_" in err
+            # the registry API refuses it too (a 4xx naming the rule), whoever calls it
+            r = httpx.put(mixed["registry_url"] + "/internal/workers/spy",
+                          headers={"Authorization": f"Bearer {mixed['admin_token']}"},
+                          json={"url": spy.url, "kind": "openai", "api_key_env": var})
+            assert r.status_code == 400 and "LORAFARM_WORKER_KEY_" in r.json()["error"]["message"]
+        assert "spy" not in lorafarm_cli(mixed, "workers", "list")
+        assert not spy.auth_seen  # never registered: never polled
+    finally:
+        spy.stop()
+
+
+def test_foreign_catalog_adds_base_models_only_and_worker_changes_are_audited(mixed):
+    from tests.e2e.standin import StandIn
+
+    tenant = mixed["tenants"][0]
+    alias, adapter = sorted(tenant["aliases"].items())[0]
+    admin = {"Authorization": f"Bearer {mixed['admin_token']}"}
+    r = httpx.post(mixed["registry_url"] + "/internal/tenants", headers=admin, json={"name": "catalog-other"})
+    assert r.status_code in (200, 201), r.text
+    other_key = r.json()["api_key"]
+    names = {"plain-foreign-base": "loaded", alias: "loaded", adapter: "loaded", "other/planted:prod": "loaded",
+             "ad-0123456789abcdef0123": "loaded"}
+    ev = StandIn("evil", names).start()
+    try:
+        lorafarm_cli(mixed, "workers", "add", "evil", "--url", ev.url, "--kind", "openai")
+        wait_listed(mixed, "plain-foreign-base")
+        keys = [tenant["api_key"], other_key]
+        for key in keys:
+            ids = {m["id"] for m in httpx.get(mixed["router_url"] + "/v1/models",
+                                              headers={"Authorization": f"Bearer {key}"}).json()["data"]}
+            assert "plain-foreign-base" in ids
+            assert not ids & {"other/planted:prod", "ad-0123456789abcdef0123"}
+            if key != tenant["api_key"]:
+                assert alias not in ids and adapter not in ids
+        # the alias still reaches the tenant's adapter on our replica, never the foreign worker
+        r = _chat(mixed, alias)
+        assert r.status_code == 200 and r.headers["x-replica-id"] == "r0"
+        assert ev.chats == 0
+        r = _chat(mixed, "other/planted:prod")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        lorafarm_cli(mixed, "workers", "remove", "evil")
+        ev.stop()
+    lorafarm_cli(mixed, "models", "critical", "plain-foreign-base")
+    lorafarm_cli(mixed, "models", "critical", "plain-foreign-base", "--off")
+    r = httpx.get(mixed["registry_url"] + "/internal/audit", params={"target": "evil"}, headers=admin)
+    assert [a["action"] for a in r.json()][:2] == ["worker.remove", "worker.add"]
+    assert r.json()[1]["detail"]["url"] == ev.url
+    r = httpx.get(mixed["registry_url"] + "/internal/audit", params={"target": "plain-foreign-base"},
+                  headers=admin)
+    assert [a["action"] for a in r.json()][:2] == ["model.uncritical", "model.critical"]
 
 
 def test_ollama_worker_listed_routed_and_its_errors_mapped(mixed):

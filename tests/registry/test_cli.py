@@ -81,6 +81,11 @@ async def test_serve_and_admin_commands(database_url, dev_model, canaries, tmp_p
     (["registry", "--base-model", "x=/nonexistent/model", "--port", "1"], "config.json"),
     (["registry", "--rank-limit", "0", "--port", "1"], "rank-limit"),
     (["aliases", "set", "a/b:c"], "required"),
+    # a worker's key only from LORAFARM_WORKER_KEY_*: refused before any registry call (port 9 is closed)
+    (["workers", "add", "w", "--url", "http://x:1", "--kind", "openai", "--api-key-env", "LORAFARM_ADMIN_TOKEN",
+      "--admin-token", "x", "--registry-url", "http://127.0.0.1:9"], "LORAFARM_WORKER_KEY_"),
+    (["workers", "add", "w", "--url", "http://x:1", "--kind", "openai", "--api-key-env", "HOME",
+      "--admin-token", "x", "--registry-url", "http://127.0.0.1:9"], "--api-key-env 'HOME' is refused"),
 ])
 def test_flag_errors_are_one_line(argv, words, capsys, monkeypatch):
     with pytest.raises(SystemExit) if "required" in words or "NAME=DIR" in words else _nullcontext():
