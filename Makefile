@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench bench-docs loadtest loadtest-docs scale isolation soak install dev clean
+.PHONY: test-under-load serve test bench bench-docs loadtest loadtest-docs scale isolation soak install dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,31 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# `make test` UNDER_LOAD_RUNS times in a row beside `stress-ng --cpu UNDER_LOAD_CPUS` (a busy 2-core box, issue
+# 26): each run's exit status and time are printed (and appended to $(STATE_DIR)/test-under-load.log), the target
+# fails if any run failed, and stress-ng is stopped at the end, even on failure or Ctrl-C. Debian's stress-ng is
+# installed with apt-get when missing. UNDER_LOAD_TEST replaces the command run (e.g. a dry check: `true`).
+UNDER_LOAD_RUNS ?= 3
+UNDER_LOAD_CPUS ?= 2
+UNDER_LOAD_TEST ?= $(MAKE) --no-print-directory test
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-under-load: $(VENV)/.installed-dev
+	@command -v stress-ng >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq stress-ng; } \
+		|| { echo "test-under-load: stress-ng is missing and apt-get could not install it" >&2; exit 1; }
+	@mkdir -p $(STATE_DIR); \
+	stress-ng --cpu $(UNDER_LOAD_CPUS) --timeout 6h --quiet & sp=$$!; \
+	trap 'kill $$sp 2>/dev/null; wait $$sp 2>/dev/null; echo "test-under-load: stress-ng stopped"' EXIT; \
+	trap 'exit 130' INT TERM; \
+	rc=0; summary=""; \
+	for i in $$(seq 1 $(UNDER_LOAD_RUNS)); do \
+		echo "test-under-load: run $$i of $(UNDER_LOAD_RUNS) beside stress-ng --cpu $(UNDER_LOAD_CPUS) (pid $$sp)"; \
+		t0=$$(date +%s); $(UNDER_LOAD_TEST); r=$$?; t1=$$(date +%s); \
+		line="run $$i: exit $$r in $$((t1 - t0)) s"; summary="$$summary$$line\n"; \
+		echo "test-under-load: $$line"; echo "$$(date -u +%FT%TZ) $$line" >> $(STATE_DIR)/test-under-load.log; \
+		[ $$r -eq 0 ] || rc=1; \
+	done; \
+	printf "test-under-load: summary\n$$summary"; exit $$rc
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest benchmarks --benchmark-only --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)

@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "router.cli",
     "lorafarm.capacity_cli",
     "loadtests.simulate_cli",
+    "lorafarm.probe",
 ]
 
 

@@ -40,7 +40,8 @@ def test_rules_name_every_alert_the_fleet_needs():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     assert set(alerts) == {"LorafarmTenantTTFTOverTarget", "LorafarmAdapterEvictionsHigh", "LorafarmDeviceHitRateLow",
-                           "LorafarmReplicaDown", "LorafarmRegistryUnreachable"}
+                           "LorafarmReplicaDown", "LorafarmRegistryUnreachable", "LorafarmProbeWrongMarker",
+                           "LorafarmProbeErrors", "LorafarmProbeNoRightAnswer"}
     assert "0.95" in alerts["LorafarmDeviceHitRateLow"]["expr"]
     assert all(r["annotations"]["summary"] and r["labels"]["severity"] for r in alerts.values())
     assert {"vllm:time_to_first_token_seconds_bucket", "lorafarm_router_tenant_tokens_total",
@@ -58,3 +59,42 @@ def test_promtool_check_rules(tmp_path):
     bad = tmp_path / "bad.rules.yaml"
     bad.write_text(RULES.read_text().replace("== 1", "== ", 1))  # a broken expression must fail
     assert subprocess.run(["promtool", "check", "rules", str(bad)], capture_output=True).returncode != 0
+
+
+def test_promtool_probe_wrong_marker_alert_fires(tmp_path):
+    """`promtool test rules`: one wrong canary answer pages, errors past 20% warn, all-right stays quiet."""
+    if shutil.which("promtool") is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool missing under CI (.ci/run installs Debian's prometheus package)")
+        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+    test = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": 'lorafarm_probe_wrong_marker_total{model="probe/c0001:prod"}', "values": "0 0 0 1 1 1"},
+                {"series": 'lorafarm_probe_wrong_marker_total{model="probe/c0000:prod"}', "values": "0 0 0 0 0 0"},
+                {"series": 'lorafarm_probe_requests_total{model="probe/c0000:prod",result="ok"}', "values": "0+1x40"},
+                {"series": 'lorafarm_probe_requests_total{model="probe/c0000:prod",result="error"}', "values": "0+1x40"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "5m", "alertname": "LorafarmProbeWrongMarker", "exp_alerts": [{
+                    "exp_labels": {"severity": "page", "model": "probe/c0001:prod"},
+                    "exp_annotations": {
+                        "summary": "Canary probe/c0001:prod answered something other than its marker",
+                        "description": next(r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+                                            if r.get("alert") == "LorafarmProbeWrongMarker")["annotations"]["description"],
+                    }}]},
+                {"eval_time": "2m", "alertname": "LorafarmProbeWrongMarker", "exp_alerts": []},
+                {"eval_time": "30m", "alertname": "LorafarmProbeErrors", "exp_alerts": [{
+                    "exp_labels": {"severity": "warn", "model": "probe/c0000:prod"},
+                    "exp_annotations": {"summary": "Canary probe/c0000:prod: 50% of probe requests failed or timed out"},
+                }]},
+            ],
+        }],
+    }
+    f = tmp_path / "probe_test.yaml"
+    f.write_text(yaml.safe_dump(test))
+    out = subprocess.run(["promtool", "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
