@@ -51,9 +51,12 @@ def base_config(dev_model: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
-def canary_dir(canaries: Path) -> Path:
-    """c0001: rank 16, all seven modules."""
-    return canaries / "c0001"
+def canary_dir(dev_model: Path) -> Path:
+    """c0001: rank 16, all seven modules (the shared cache's; only c0000 and c0001 are made for it)."""
+    from tests.conftest import CANARY_DIR, make_canaries
+
+    make_canaries(dev_model, 2)
+    return CANARY_DIR / "c0001"
 
 
 @pytest.fixture(scope="session")

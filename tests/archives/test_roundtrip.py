@@ -36,7 +36,8 @@ async def store(request, tmp_path):
     await s.close()
 
 
-async def test_canaries_round_trip(store, canaries, canary_index, keys, base_hash, base_config, tmp_path):
+async def test_canaries_round_trip(store, few_canaries, keys, base_hash, base_config, tmp_path):
+    canaries, canary_index = few_canaries
     built = {}
     for name in CANARIES:
         lar = tmp_path / "built" / f"{name}.lar"
@@ -75,7 +76,8 @@ async def test_canaries_round_trip(store, canaries, canary_index, keys, base_has
         )
 
 
-def test_manifest_contents(good_archive, canary_dir, canary_index, keys, base_hash):
+def test_manifest_contents(good_archive, canary_dir, few_canaries, keys, base_hash):
+    canary_index = few_canaries[1]
     manifest = verify_archive(good_archive, [keys.public])
     info = read_peft_dir(canary_dir)
     assert manifest.adapter_id == adapter_id_for("acme", info.content_checksum)
