@@ -23,7 +23,8 @@ def _up(args: argparse.Namespace) -> int:
         raise CliError("--adapters needs --base (the dev model gets the generated demo adapters)")
     farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, bases=bases,
                 adapter_dirs=[Path(a) for a in args.adapters], assume_base=args.assume_base,
-                replica_args=shlex.split(args.replica_flags), embeddings=args.embeddings)
+                replica_args=shlex.split(args.replica_flags), router_args=shlex.split(args.router_flags),
+                embeddings=args.embeddings)
     stopping = False
 
     def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C
@@ -124,6 +125,8 @@ def register(sub) -> None:
                    "demo/<folder>:prod")
     p.add_argument("--replica-flags", default="", metavar="'FLAGS'",
                    help="extra `lorafarm replica` flags for every replica, e.g. '--kv-cache-bytes 8GiB --slots 4'")
+    p.add_argument("--router-flags", default="", metavar="'FLAGS'",
+                   help="extra `lorafarm router` flags, e.g. '--read-timeout 30 --death-retries 0'")
     p.add_argument("--assume-base", action="store_true",
                    help="upload adapters that do not record their base as trained on the (only) --base")
     p.set_defaults(func=_up)

@@ -34,7 +34,8 @@ from router.catalog import Catalog, ModelNotFound, Resolved
 from router.config import RouterSettings
 from router.metrics import RouterMetrics
 from router.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, UPSTREAM_PATH, ApiError, ParsedRequest, parse_request
-from router.proxy import Failed, Opened, Proxy, UsageScanner
+from router.poison import PoisonGuard, fingerprint
+from router.proxy import Failed, Opened, Proxy, UsageScanner, make_http_client
 from router.ratelimit import make_limiter
 from router.routing import RankedReplica, RouteRequest, choose
 from router.slo import SloTracker
@@ -61,10 +62,8 @@ class RouterCore:
         self.metrics = RouterMetrics()
         self.metrics.price_per_replica_hour.set(settings.price_per_replica_hour)
         self._own_http = http is None
-        self.http = http or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
-            timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout),
-        )
+        self.http = http or make_http_client(s.max_connections,
+                                             httpx.Timeout(s.read_timeout, connect=s.connect_timeout))
         self._own_registry = registry is None
         self.registry = registry or RegistryClient(s.registry_url, s.admin_token, timeout=s.registry_timeout)
         self.view = ReplicaView(
@@ -103,6 +102,11 @@ class RouterCore:
             first_byte_timeout=s.first_byte_timeout,
             read_timeout=s.read_timeout,
             non_stream_timeout=s.non_stream_timeout,
+            health_timeout=s.health_timeout,
+            death_retries=s.death_retries,
+            guard=PoisonGuard(threshold=s.poison_threshold, cooloff=s.poison_cooloff),
+            probe_alive=self._probe_alive,
+            on_death=lambda rid, phase: self.metrics.replica_deaths.labels(phase).inc(),
             is_responsive=self.view.is_responsive,
             on_failure=self._mark_failure,
             on_success=self._mark_success,
@@ -331,6 +335,32 @@ class RouterCore:
         self.view.mark_success(replica_id)
         self.workers.mark_success(replica_id)
 
+    async def _probe_alive(self, ranked: RankedReplica) -> bool:
+        """After a connection broke mid-request: is the replica's process still there? A foreign
+        worker is not probed (its health path is its own): a break there counts as a death."""
+        if self.workers.is_worker(ranked.replica_id):
+            return False
+        return await self.proxy._probe_health(ranked)
+
+    def _deadline(self, request: Request, stream: bool) -> float | None:
+        """The loop time by which the whole request must be done: the client's `x-request-timeout`
+        (seconds, at most `max_request_timeout`), else `non_stream_timeout` for a non-streamed request
+        and none for a stream (a stream is bounded by silence, `read_timeout`)."""
+        raw = request.headers.get("x-request-timeout")
+        seconds: float | None = None
+        if raw:
+            try:
+                seconds = float(raw)
+            except ValueError:
+                seconds = None
+            if seconds is None or not seconds > 0 or seconds != seconds:
+                raise ApiError(400, "x-request-timeout must be a positive number of seconds.",
+                               code="invalid_request_timeout", param="x-request-timeout")
+            seconds = min(seconds, self.settings.max_request_timeout)
+        elif not stream:
+            seconds = self.settings.non_stream_timeout
+        return None if seconds is None else asyncio.get_running_loop().time() + seconds
+
     def _upstream_headers(self, replica_id: str, headers: dict[str, str]) -> dict[str, str]:
         return self.workers.headers_for(replica_id, headers) if self.workers.is_worker(replica_id) else headers
 
@@ -368,6 +398,7 @@ class RouterCore:
         arrived = time.perf_counter()
         tenant = await self.authenticate(request)
         parsed = parse_request(endpoint, await request.body(), self.settings.default_max_tokens)
+        deadline = self._deadline(request, parsed.stream)
         limit = self.limiter.check(
             tenant.tenant_id,
             requests_per_s=tenant.requests_per_s or self.settings.default_requests_per_s,
@@ -411,6 +442,15 @@ class RouterCore:
         base_headers = {"x-request-id": request_id, **limit.headers}
         if resolved.adapter_id:
             base_headers["x-adapter-id"] = resolved.adapter_id
+        fp = fingerprint(tenant.tenant_id, endpoint, body)
+        if self.proxy.guard.refused_for(fp):
+            self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
+            self.metrics.poison_requests.labels("refused").inc()
+            log.warning("poison request refused: request_id=%s tenant=%s fingerprint=%s (in flight at %d replica "
+                        "deaths)", request_id, tenant.tenant_id, fp, self.proxy.guard.deaths(fp))
+            refusal = self.proxy.poison_failed(request_id, tenant.tenant_id, fp, [], 0)
+            raise ApiError(400, json.loads(refusal.body)["error"]["message"], code="poison_request",
+                           headers={**base_headers, "retry-after": refusal.headers["retry-after"]})
         if not ranked:
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
             raise ApiError(
@@ -438,6 +478,8 @@ class RouterCore:
                     tenant_id=tenant.tenant_id,
                     read_whole_body=not parsed.stream,
                     model_name=parsed.model,
+                    fingerprint=fp,
+                    deadline=deadline,
                 ),
             )
         except BaseException:
@@ -445,6 +487,12 @@ class RouterCore:
             self.metrics.in_flight.dec()
             raise
         if isinstance(outcome, Failed):
+            if outcome.code == "poison_request":
+                self.metrics.poison_requests.labels("stopped").inc()
+                log.warning("poison request stopped: request_id=%s tenant=%s fingerprint=%s replicas died with it: "
+                            "%s", request_id, tenant.tenant_id, fp, ", ".join(outcome.tried))
+            elif outcome.code == "request_timeout":
+                self.metrics.deadline_exceeded.inc()
             self._release(first, parsed.cost)
             self.metrics.in_flight.dec()
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
@@ -502,6 +550,8 @@ class RouterCore:
             ok = outcome == "ok"
             if outcome == "upstream_error":
                 self.metrics.stream_errors.inc()
+            elif outcome == "deadline":
+                self.metrics.deadline_exceeded.inc()
             label = str(status) if ok else outcome
             self.metrics.requests.labels(endpoint, label, route_class).inc()
             if status < 400 and ok:

@@ -38,6 +38,11 @@ def _router(args: argparse.Namespace) -> int:
             slo_ttft_target=args.slo_ttft,
             first_byte_timeout=args.first_byte_timeout,
             read_timeout=args.read_timeout,
+            non_stream_timeout=args.non_stream_timeout,
+            max_request_timeout=args.max_request_timeout,
+            death_retries=args.death_retries,
+            poison_threshold=args.poison_threshold,
+            poison_cooloff=args.poison_cooloff,
             state_timeout=args.state_timeout,
             health_timeout=args.state_timeout,
             **({"redis_url": args.redis_url} if args.redis_url else {}),
@@ -96,7 +101,20 @@ def register(sub) -> None:
     p.add_argument("--first-byte-timeout", type=float, default=10.0,
                    help="seconds a replica may take to send a stream's first byte before failover (default 10)")  # fmt: skip
     p.add_argument("--read-timeout", type=float, default=10.0,
-                   help="seconds between two chunks of a stream before it ends with an error event (default 10)")  # fmt: skip
+                   help="longest silence (seconds) between two chunks of a stream before it ends with an error "
+                        "event; replicas send keep-alive comments while a request waits (default 10)")  # fmt: skip
+    p.add_argument("--non-stream-timeout", type=float, default=600.0,
+                   help="default deadline (seconds) of a non-streamed request, while its replica stays in "
+                        "routing; a client sets its own with the x-request-timeout header (default 600)")  # fmt: skip
+    p.add_argument("--max-request-timeout", type=float, default=3600.0,
+                   help="the largest x-request-timeout a client may ask for, seconds (default 3600)")  # fmt: skip
+    p.add_argument("--death-retries", type=int, default=1,
+                   help="replicas a request is sent to after a replica died with it in flight (default 1)")  # fmt: skip
+    p.add_argument("--poison-threshold", type=int, default=2,
+                   help="replica deaths with the same body (tenant + request) in flight before it is refused "
+                        "as poison_request (default 2)")  # fmt: skip
+    p.add_argument("--poison-cooloff", type=float, default=600.0,
+                   help="seconds a poison body stays refused after its last replica death (default 600)")  # fmt: skip
     p.add_argument("--state-timeout", type=float, default=1.5,
                    help="seconds a replica's state and health checks may take (default 1.5)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=30.0,

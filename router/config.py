@@ -47,8 +47,17 @@ class RouterSettings:
     # proxy
     connect_timeout: float = 2.0
     first_byte_timeout: float = 10.0  # a stream's first byte (after admission): else fail over
-    read_timeout: float = 10.0  # between two chunks once streaming: else an error event ends it
-    non_stream_timeout: float = 600.0  # a whole non-streamed answer (a frozen replica is left sooner)
+    # the longest silence between two chunks of a stream (replicas send `: keep-alive` comments while a
+    # request waits), else an error event ends it
+    read_timeout: float = 10.0
+    # the default deadline of a non-streamed request (its replica is left sooner once it leaves routing)
+    non_stream_timeout: float = 600.0
+    max_request_timeout: float = 3600.0  # the most a client may ask for with `x-request-timeout`
+    # poison requests (router/poison.py): a request in flight on a replica that died goes to at most
+    # death_retries more replicas; a body in flight at poison_threshold deaths is refused poison_cooloff s
+    death_retries: int = 1
+    poison_threshold: int = 2
+    poison_cooloff: float = 600.0
     max_attempts: int = 3  # replicas tried before the first byte
     max_connections: int = 1024
 
@@ -88,4 +97,10 @@ class RouterSettings:
             raise ValueError("health_failures must be at least 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if self.death_retries < 0:
+            raise ValueError("death_retries must be 0 or more")
+        if self.poison_threshold < 1:
+            raise ValueError("poison_threshold must be at least 1")
+        if self.read_timeout <= 0 or self.non_stream_timeout <= 0 or self.max_request_timeout <= 0:
+            raise ValueError("timeouts must be positive")
         self.registry_url = self.registry_url.rstrip("/")

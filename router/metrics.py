@@ -53,6 +53,19 @@ class RouterMetrics:
             "lorafarm_router_stream_errors", "Streams that broke after the first byte (client got an error event)",
             registry=r,
         )  # fmt: skip
+        self.poison_requests = Counter(
+            "lorafarm_router_poison_requests", "Requests refused as poison (in flight at replica deaths): "
+            "outcome stopped (refused after its own second death) | refused (refused before routing)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.replica_deaths = Counter(
+            "lorafarm_router_replica_deaths", "Replicas that died with a request in flight (connection broken "
+            "and /health gone), by phase: before_first_byte | mid_stream", ["phase"], registry=r,
+        )  # fmt: skip
+        self.deadline_exceeded = Counter(
+            "lorafarm_router_deadline_exceeded", "Requests ended by their deadline (x-request-timeout or the "
+            "non-stream default): 504, or an error event mid-stream", registry=r,
+        )  # fmt: skip
         self.rate_limited = Counter(
             "lorafarm_router_rate_limited", "Requests refused with 429 by the per-tenant buckets", registry=r
         )

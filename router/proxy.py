@@ -9,6 +9,18 @@
 For a non-streamed request the whole body is read before anything reaches the client, so any
 failure there is still "before the first byte".
 
+A replica that *dies* with the request in flight (the connection breaks after the request was sent
+and the replica's /health no longer answers) is not an ordinary failover: the request goes to at
+most `death_retries` more replicas, and a body seen at two deaths is refused (router/poison.py).
+A replica that was already down (connection refused: nothing was sent) fails over as before.
+
+Liveness, not a stopwatch: a stream's `read_timeout` is the longest *silence* between two chunks
+(the replica sends `: keep-alive` comments while a request waits for its adapter, the queue or
+prefill; they are passed on, OpenAI clients ignore them). A non-streamed answer is waited for as
+long as its replica stays in routing (state polls and health checks; `_watch`), up to the request's
+deadline (`x-request-timeout`, else `non_stream_timeout`); the deadline ends it with a 504, never a
+failover.
+
 `relay()` then passes the SSE stream through event by event as the bytes arrive (it only holds
 back an incomplete event, so the client never sees half an event); if the replica fails
 mid-stream, the client gets an OpenAI error event and `data: [DONE]`, never silence or a hang.
@@ -20,12 +32,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+import httpcore
 import httpx
 
+from router.poison import PoisonGuard
 from router.routing import RankedReplica
 
 log = logging.getLogger("lorafarm.router.proxy")
@@ -45,6 +59,63 @@ def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
     return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
 
+class _ClosedSafeStream(httpcore.AsyncNetworkStream):
+    """httpcore's anyio stream, except that asking a connection whose transport is already closed
+    for its socket says "readable" (the pool then drops it as expired) instead of raising. Under
+    uvloop a transport closed by a peer reset reports no socket, and anyio's socket attributes then
+    raise `AttributeError: 'NoneType' object has no attribute 'getpeername'` (or ValueError for a
+    closed descriptor) from the pool's expiry check, inside `send()` of an unrelated request: the
+    router answered 500 right after a replica died (issue 26)."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream):
+        self._inner = inner
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._inner.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        return _ClosedSafeStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str):
+        try:
+            return self._inner.get_extra_info(info)
+        except (AttributeError, ValueError, OSError):
+            return True if info == "is_readable" else None
+
+
+class ClosedSafeBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self) -> None:
+        from httpcore._backends.auto import AutoBackend
+
+        self._inner = AutoBackend()
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _ClosedSafeStream(await self._inner.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    async def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return _ClosedSafeStream(await self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def make_http_client(max_connections: int, timeout: httpx.Timeout) -> httpx.AsyncClient:
+    """The router's upstream client: a pool whose connections survive a peer reset (see
+    `_ClosedSafeStream`)."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    transport = httpx.AsyncHTTPTransport(limits=limits)
+    pool = getattr(transport, "_pool", None)
+    if pool is not None and hasattr(pool, "_network_backend"):
+        pool._network_backend = ClosedSafeBackend()
+    return httpx.AsyncClient(transport=transport, timeout=timeout)
+
+
 @dataclass
 class Opened:
     """A replica that answered: status, headers and the first body bytes are in hand."""
@@ -57,6 +128,10 @@ class Opened:
     tried: list[str]
     first_byte_at: float
     streaming: bool  # text/event-stream
+    fingerprint: str | None = None  # the poison fingerprint of the body (router/poison.py)
+    deadline: float | None = None  # loop time when the whole request must be done (None: no deadline)
+    request_id: str = ""
+    tenant_id: str = ""
 
     @property
     def status_code(self) -> int:
@@ -79,6 +154,8 @@ class Failed:
     headers: dict[str, str]
     attempts: int
     tried: list[str] = field(default_factory=list)
+    code: str | None = None  # the router's own verdict: poison_request, replica_died, request_timeout
+    deaths: int = 0  # replicas that died with this request in flight
 
 
 @dataclass
@@ -159,34 +236,75 @@ class Proxy:
         first_byte_timeout: float = 10.0,
         read_timeout: float = 10.0,
         non_stream_timeout: float = 600.0,
+        health_timeout: float = 1.5,
+        death_retries: int = 1,
+        guard: PoisonGuard | None = None,
         is_responsive: Callable[[str], bool] | None = None,
         on_failure: Callable[[str, str], None] | None = None,
         on_success: Callable[[str], None] | None = None,
         on_failover: Callable[[str], None] | None = None,
+        on_death: Callable[[str, str], None] | None = None,
         upstream_headers: Callable[[str, dict[str, str]], dict[str, str]] | None = None,
+        probe_alive: Callable[[RankedReplica], Awaitable[bool]] | None = None,
     ):
         self.http = http
         self.admin_token = admin_token
         self.max_attempts = max_attempts
-        # streams: read_timeout between two chunks; a non-streamed answer comes whole, after its generation
+        # streams: read_timeout is the longest silence between two chunks (keep-alives count); a
+        # non-streamed answer comes whole, after its generation
         self.timeout = httpx.Timeout(connect=connect_timeout, read=read_timeout, write=30.0, pool=connect_timeout)
-        self.whole_timeout = httpx.Timeout(connect=connect_timeout, read=non_stream_timeout, write=30.0,
-                                           pool=connect_timeout)
+        self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
         self.read_timeout = read_timeout
         self.non_stream_timeout = non_stream_timeout
+        self.health_timeout = health_timeout
+        self.death_retries = death_retries
+        self.guard = guard if guard is not None else PoisonGuard()
         self.is_responsive = is_responsive or (lambda rid: True)
         self.on_failure = on_failure or (lambda rid, why: None)
         self.on_success = on_success or (lambda rid: None)
         self.on_failover = on_failover or (lambda reason: None)
+        self.on_death = on_death or (lambda rid, phase: None)
         # per-upstream headers (a foreign worker gets its own key, never the admin token)
         self.upstream_headers = upstream_headers or (lambda replica_id, h: h)
+        self.probe_alive = probe_alive or self._probe_health
+        self._death_checks: set[asyncio.Task] = set()
 
     def _headers(self, request_id: str, tenant_id: str) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": request_id, "x-lorafarm-tenant": tenant_id}
         if self.admin_token:
             h["authorization"] = f"Bearer {self.admin_token}"
         return h
+
+    async def _probe_health(self, cand: RankedReplica) -> bool:
+        """Is the replica's process still there? Any HTTP answer from /health says yes."""
+        try:
+            r = await self.http.get(f"{cand.replica.url}/health",
+                                    timeout=httpx.Timeout(self.health_timeout, connect=self.connect_timeout))
+            await r.aclose()
+            return True
+        except (httpx.HTTPError, OSError):
+            return False
+
+    async def _died(self, cand: RankedReplica, e: BaseException) -> bool:
+        """A broken connection after the request was sent, and the replica no longer answers."""
+        if isinstance(e, TimeoutError | httpx.TimeoutException):
+            return False  # slow or frozen, not dead
+        if not isinstance(e, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError | OSError):
+            return False
+        if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | ConnectionRefusedError):
+            return False
+        with anyio.CancelScope(shield=True):
+            return not await self.probe_alive(cand)
+
+    def poison_failed(self, request_id: str, tenant_id: str, fp: str, tried: list[str], deaths: int) -> Failed:
+        left = max(1, int(self.guard.refused_for(fp) + 0.999))
+        msg = (f"This request was in flight on {self.guard.threshold} replicas that died while serving it; "
+               f"the same request is refused for {left} s. Change the request (or contact the operator "
+               f"with request id {request_id}).")
+        body = json.dumps(error_body(msg, "invalid_request_error", "poison_request")).encode()
+        return Failed(400, body, {"content-type": "application/json", "retry-after": str(left)}, len(tried), tried,
+                      code="poison_request", deaths=deaths)
 
     async def open(
         self,
@@ -198,24 +316,39 @@ class Proxy:
         tenant_id: str,
         read_whole_body: bool,
         model_name: str | None = None,
+        fingerprint: str | None = None,
+        deadline: float | None = None,
     ) -> Opened | Failed:
         headers = self._headers(request_id, tenant_id)
         if model_name:  # the name the client asked for: the replica echoes it as `model` (vLLM does)
             headers[MODEL_NAME_HEADER] = model_name
+        loop = asyncio.get_running_loop()
         tried: list[str] = []
+        deaths = 0
         last_http: tuple[int, bytes, dict[str, str]] | None = None
         for attempt, cand in enumerate(ranked[: self.max_attempts], start=1):
             rid = cand.replica_id
+            # a non-streamed answer is generated whole before its first byte: it gets the long limit,
+            # and is given up as soon as the health checks take its replica out of routing (frozen)
+            limit = self.non_stream_timeout if read_whole_body else self.first_byte_timeout
+            by_deadline = False
+            if deadline is not None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return self._timed_out(tried, deaths)
+                if read_whole_body or left < limit:
+                    limit, by_deadline = left, True
             tried.append(rid)
             url = f"{cand.replica.url}{path}"
+            timeout = self.timeout
+            if read_whole_body:
+                timeout = httpx.Timeout(connect=self.connect_timeout, read=limit + 1.0, write=30.0,
+                                        pool=self.connect_timeout)
             req = self.http.build_request("POST", url, content=body, headers=self.upstream_headers(rid, headers),
-                                          timeout=self.whole_timeout if read_whole_body else self.timeout)
+                                          timeout=timeout)
             response: httpx.Response | None = None
             watch: asyncio.Task | None = None
             try:
-                # a non-streamed answer is generated whole before its first byte: it gets the long limit,
-                # and is given up as soon as the health checks take its replica out of routing (frozen)
-                limit = self.non_stream_timeout if read_whole_body else self.first_byte_timeout
                 async with asyncio.timeout(limit) as scope:
                     if self.is_responsive(rid):
                         watch = asyncio.create_task(self._watch(rid, scope))
@@ -233,11 +366,6 @@ class Proxy:
                     rest = response.aiter_raw()
                     if read_whole_body:
                         first = b"".join([c async for c in rest])
-
-                        async def _empty() -> AsyncIterator[bytes]:
-                            return
-                            yield b""  # pragma: no cover
-
                         rest = _empty()
                     else:
                         try:
@@ -250,9 +378,28 @@ class Proxy:
                         await response.aclose()
                 if not isinstance(e, httpx.HTTPError | TimeoutError | OSError):
                     raise  # cancelled (the client left) or a bug: not a replica failure
+                left_routing = watch is not None and watch.done() and not watch.cancelled() and watch.result()
+                if isinstance(e, TimeoutError) and by_deadline and not left_routing:
+                    log.warning("request %s: its deadline passed while replica %s worked on it", request_id, rid)
+                    return self._timed_out(tried, deaths)
                 reason = _reason(e)
                 if reason in ("connect", "connect_timeout", "timeout"):
                     self.on_failure(rid, reason)
+                if await self._died(cand, e):
+                    deaths += 1
+                    self.on_failure(rid, "died")
+                    self.on_death(rid, "before_first_byte")
+                    seen = self.guard.record_death(fingerprint) if fingerprint else 0
+                    log.warning(
+                        "request %s tenant %s: replica %s died with it in flight (%s: %s); this body was in "
+                        "flight at %d replica deaths", request_id, tenant_id, rid, reason, e, seen,
+                    )  # fmt: skip
+                    if fingerprint and self.guard.refused_for(fingerprint):
+                        return self.poison_failed(request_id, tenant_id, fingerprint, tried, deaths)
+                    if deaths > self.death_retries:
+                        return self._died_failed(tried, deaths)
+                    self.on_failover("died")
+                    continue
                 log.warning(
                     "request %s: replica %s failed before the first byte (%s: %s); trying the next",
                     request_id, rid, reason, e,
@@ -273,10 +420,16 @@ class Proxy:
                 tried=tried,
                 first_byte_at=time.perf_counter(),
                 streaming="text/event-stream" in ctype,
+                fingerprint=fingerprint,
+                deadline=deadline,
+                request_id=request_id,
+                tenant_id=tenant_id,
             )
         if last_http is not None:
             status, content, hdrs = last_http
-            return Failed(status, content, hdrs, len(tried), tried)
+            return Failed(status, content, hdrs, len(tried), tried, deaths=deaths)
+        if deaths:
+            return self._died_failed(tried, deaths)
         msg = (
             f"No replica could serve the request (tried {', '.join(tried)})."
             if tried
@@ -285,21 +438,53 @@ class Proxy:
         body_out = json.dumps(error_body(msg, "server_error", "replica_unavailable")).encode()
         return Failed(503, body_out, {"content-type": "application/json"}, len(tried), tried)
 
-    async def _watch(self, replica_id: str, scope: asyncio.Timeout) -> None:
+    @staticmethod
+    def _timed_out(tried: list[str], deaths: int) -> Failed:
+        msg = "The request's deadline passed before its answer was ready (x-request-timeout)."
+        body = json.dumps(error_body(msg, "server_error", "request_timeout")).encode()
+        return Failed(504, body, {"content-type": "application/json"}, len(tried), tried, code="request_timeout",
+                      deaths=deaths)
+
+    @staticmethod
+    def _died_failed(tried: list[str], deaths: int) -> Failed:
+        msg = (f"The replica serving this request died while processing it (tried {', '.join(tried)}); "
+               "it was not sent to another replica again.")
+        body = json.dumps(error_body(msg, "server_error", "replica_died")).encode()
+        return Failed(502, body, {"content-type": "application/json"}, len(tried), tried, code="replica_died",
+                      deaths=deaths)
+
+    async def _watch(self, replica_id: str, scope: asyncio.Timeout) -> bool:
         """Expire `scope` now once `replica_id` stops being responsive (taken out of routing)."""
         while True:
             await asyncio.sleep(0.25)
             if not self.is_responsive(replica_id):
                 log.warning("replica %s left routing while a request waited on it; failing over", replica_id)
                 scope.reschedule(asyncio.get_running_loop().time())
-                return
+                return True
+
+    def _check_death_later(self, opened: Opened, e: BaseException) -> None:
+        """A stream broke mid-way: if its replica died, count the death against the body (no retry:
+        the client already has part of the answer)."""
+
+        async def check() -> None:
+            if await self._died(opened.ranked, e):
+                self.on_failure(opened.ranked.replica_id, "died")
+                self.on_death(opened.ranked.replica_id, "mid_stream")
+                seen = self.guard.record_death(opened.fingerprint) if opened.fingerprint else 0
+                log.warning("request %s tenant %s: replica %s died mid-stream; this body was in flight at %d "
+                            "replica deaths", opened.request_id, opened.tenant_id, opened.ranked.replica_id, seen)
+
+        task = asyncio.get_running_loop().create_task(check())
+        self._death_checks.add(task)
+        task.add_done_callback(self._death_checks.discard)
 
     async def relay(
         self, opened: Opened, scanner: UsageScanner, on_done: Callable[[str], None]
     ) -> AsyncIterator[bytes]:
         """The client's body: the first bytes, then the rest as it arrives, event by event.
-        `on_done(outcome)` runs exactly once: "ok", "upstream_error" (the replica broke the stream)
-        or "client_closed" (the client went away; the upstream request is closed, which cancels it)."""
+        `on_done(outcome)` runs exactly once: "ok", "upstream_error" (the replica broke the stream),
+        "deadline" (the request's deadline passed) or "client_closed" (the client went away; the
+        upstream request is closed, which cancels it). SSE comments (`: keep-alive`) pass through."""
         outcome = "client_closed"
         buf = b""
         try:
@@ -323,20 +508,40 @@ class Proxy:
                 out, buf = buf[:cut], buf[cut:]
                 scanner.feed_events(out)
                 yield out
+            rest = opened.rest
+            loop = asyncio.get_running_loop()
             try:
-                async for chunk in opened.rest:
+                while True:
+                    if opened.deadline is None:
+                        chunk = await anext(rest, None)
+                    else:
+                        left = opened.deadline - loop.time()
+                        if left <= 0:
+                            raise TimeoutError
+                        chunk = await asyncio.wait_for(anext(rest, None), left)
+                    if chunk is None:
+                        break
                     buf += chunk
                     cut = _event_boundary(buf)
                     if cut:
                         out, buf = buf[:cut], buf[cut:]
                         scanner.feed_events(out)
                         yield out
+            except TimeoutError:
+                log.warning("request %s: deadline passed mid-stream; ending it with an error event",
+                            opened.request_id)
+                outcome = "deadline"
+                yield sse_error_event("The request's deadline passed (x-request-timeout); the response is "
+                                      "incomplete.", code="request_timeout")
+                return
             except (httpx.HTTPError, OSError) as e:
                 log.warning(
                     "replica %s broke the stream mid-way (%s: %s); ending it with an error event",
                     opened.ranked.replica_id, type(e).__name__, e,
                 )  # fmt: skip
                 outcome = "upstream_error"
+                if not isinstance(e, httpx.TimeoutException):
+                    self._check_death_later(opened, e)
                 yield sse_error_event(
                     f"The replica serving this request failed mid-stream ({type(e).__name__}); "
                     "the response is incomplete.",
@@ -349,6 +554,11 @@ class Proxy:
         finally:
             await opened.aclose()
             on_done(outcome)
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover
 
 
 MODEL_NAME_HEADER = "x-lorafarm-model-name"

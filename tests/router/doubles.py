@@ -14,6 +14,8 @@ import contextlib
 import hashlib
 import json
 import socket
+import struct
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -167,6 +169,8 @@ class FakeReplica:
     health_fails: bool = False
     fail_before_first_byte: int = 0
     fail_after_chunks: int | None = None
+    keepalive_interval: float | None = None  # while first_token_delay runs, send `: keep-alive` comments
+    shed: bool = False  # answer 503 + Retry-After before accepting (an overloaded replica)
     gpu: OrderedDict = field(default_factory=OrderedDict)
     ram: set = field(default_factory=set)
     requests: list[dict] = field(default_factory=list)
@@ -228,6 +232,11 @@ class FakeReplica:
             created = int(time.time())
             obj = "chat.completion" if chat else "text_completion"
             usage = {"prompt_tokens": 5, "completion_tokens": rep.chunks, "total_tokens": 5 + rep.chunks}
+            if rep.shed:
+                body = {"error": {"message": "the replica is overloaded (test)", "type": "server_error",
+                                  "param": None, "code": "overloaded"}}
+                return Response(content=json.dumps(body).encode(), status_code=503, media_type="application/json",
+                                headers={"Retry-After": "2"})
             fail_now = rep.fail_before_first_byte > 0
             if fail_now:
                 rep.fail_before_first_byte -= 1
@@ -268,7 +277,15 @@ class FakeReplica:
                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "finish_reason": None}]}  # fmt: skip
                         yield f"data: {json.dumps(role)}\n\n".encode()
-                    await asyncio.sleep(rep.first_token_delay)
+                    if rep.keepalive_interval:
+                        waited = 0.0
+                        while waited < rep.first_token_delay:
+                            step = min(rep.keepalive_interval, rep.first_token_delay - waited)
+                            await asyncio.sleep(step)
+                            waited += step
+                            yield b": keep-alive\n\n"
+                    else:
+                        await asyncio.sleep(rep.first_token_delay)
                     pieces = [f"{rep.replica_id}:{model} "] + [w + " " for w in words]
                     for i, p in enumerate(pieces):
                         if rep.fail_after_chunks is not None and i >= rep.fail_after_chunks:
@@ -367,3 +384,136 @@ async def serve(app, port: int = 0) -> AsyncIterator[Served]:
         yield served
     finally:
         await served.stop()
+
+
+# -- a replica that dies (raw sockets) ----------------------------------------------------------
+
+
+class DyingReplica:
+    """A stand-in replica on raw asyncio sockets (so it can die the way a process does): it answers
+    /health, /internal/replicas/{id}/state and non-streamed (or streamed) completions. A completion
+    whose body contains `poison` (or any completion while the shared `kills` budget {"n": k} is
+    above 0, which it then decrements) kills it: every
+    connection is reset (RST) and the listening socket closed, so the port refuses from then on, as
+    after a segfault."""
+
+    def __init__(self, replica_id: str, base: str = "dev-a", poison: bytes = b"POISON"):
+        self.replica_id = replica_id
+        self.base = base
+        self.poison = poison
+        self.kills: dict | None = None
+        self.hits: list[bytes] = []  # completion bodies received
+        self.dead = asyncio.Event()
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> DyingReplica:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def die(self) -> None:
+        if self.dead.is_set():
+            return
+        self.dead.set()
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._writers):
+            _reset(w)
+
+    async def stop(self) -> None:
+        self.die()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while not self.dead.is_set():
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                hdrs = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(hdrs.get("content-length") or 0))
+                status, ctype, payload = self._answer(method, path, body)
+                if status == 0:  # died
+                    return
+                writer.write(b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, ctype.encode(), len(payload), payload))
+                await writer.drain()
+        finally:
+            self._writers.discard(writer)
+
+    def _answer(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+        if method == "GET" and path == "/health":
+            return 200, "application/json", b'{"status":"ok"}'
+        if method == "GET" and path.startswith("/internal/replicas/"):
+            state = {"replica_id": self.replica_id, "base_model_hash": base_hash(self.base), "models": [self.base],
+                     "gpu_adapters": [], "ram_adapters": [], "queue_depth": 0, "running": 0, "tokens_in_flight": 0}
+            return 200, "application/json", json.dumps(state).encode()
+        if method == "POST" and path.startswith("/v1/"):
+            self.hits.append(body)
+            killed = self.kills is not None and self.kills.get("n", 0) > 0
+            if killed:
+                self.kills["n"] -= 1
+            if killed or self.poison in body:
+                self.die()
+                return 0, "", b""
+            req = json.loads(body)
+            text = f"{self.replica_id}:{req.get('model')}"
+            if req.get("stream"):
+                c = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": req.get("model"),
+                     "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}]}
+                return 200, "text/event-stream", f"data: {json.dumps(c)}\n\ndata: [DONE]\n\n".encode()
+            out = {"id": "c", "object": "chat.completion", "created": 0, "model": req.get("model"),
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+            return 200, "application/json", json.dumps(out).encode()
+        return 404, "application/json", b'{"error":{"message":"no","type":"invalid_request_error"}}'
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as the kernel does for a killed process with unread data."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+class ResettingServer:
+    """A listening port whose every connection is reset (RST) the moment it is accepted, from its own
+    thread (as a dying process does, independently of the client's event loop): the client's connect
+    succeeds, then the connection breaks. Counts the connections it reset."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.resets = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            time.sleep(0)  # let the client's thread run on (a dying process does not hold its GIL)
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            self.resets += 1
+
+    async def stop(self, kill: bool = False) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
