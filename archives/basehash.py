@@ -6,9 +6,11 @@ then its raw bytes. Because it hashes tensors rather than files, re-sharding or 
 weights keeps the hash, while any changed weight, dtype or shape changes it. The registry and the
 replica both call this one function, so their hashes agree by construction.
 
-Files are streamed (a 14 GB base is never read into memory) and the result is cached beside the
-checkpoint in `.lorafarm_basehash.json`, keyed by the file names, sizes and mtimes; a read-only
-folder simply is not cached.
+Files are streamed (a 14 GB base is never read into memory) and the result is cached outside the
+checkpoint (nothing is ever written into a model folder, which may be a read-only store): one JSON
+file per folder in `cache_dir()` ($LORAFARM_BASEHASH_CACHE_DIR, else $LORAFARM_CACHE_DIR/basehash,
+else ~/.cache/lorafarm/basehash; `lorafarm up` points it into its state dir), keyed by the folder's
+path and its files' names, sizes and mtimes. An unwritable cache is simply not used.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from archives.digest import BLOCK, progress_bar
 from archives.errors import InvalidBaseModelError
 from archives.safetensors_header import TensorInfo, read_header
 
-CACHE_NAME = ".lorafarm_basehash.json"
+CACHE_ENV = "LORAFARM_BASEHASH_CACHE_DIR"
 ALGORITHM = "lorafarm-basehash-v1"  # bump when the hashed byte stream changes
 
 
@@ -46,10 +48,26 @@ def _cache_key(files: list[Path]) -> list[list]:
     return key
 
 
+def cache_dir() -> Path:
+    """Where base hashes are cached (see module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    if os.environ.get("LORAFARM_CACHE_DIR"):
+        return Path(os.environ["LORAFARM_CACHE_DIR"]) / "basehash"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafarm" / "basehash"
+
+
+def cache_path(model_dir: str | os.PathLike) -> Path:
+    """The cache file for one checkpoint folder (named after its resolved path)."""
+    where = str(Path(model_dir).resolve())
+    return cache_dir() / f"{hashlib.sha256(where.encode()).hexdigest()[:32]}.json"
+
+
 def _read_cache(model_dir: Path, key: list[list]) -> str | None:
     try:
-        cached = json.loads((model_dir / CACHE_NAME).read_text())
-        if cached.get("algorithm") == ALGORITHM and cached.get("files") == key:
+        cached = json.loads(cache_path(model_dir).read_text())
+        if (cached.get("algorithm") == ALGORITHM and cached.get("files") == key
+                and cached.get("folder") == str(model_dir.resolve())):
             value = cached.get("base_model_hash")
             if isinstance(value, str) and value.startswith("sha256:"):
                 return value
@@ -59,15 +77,18 @@ def _read_cache(model_dir: Path, key: list[list]) -> str | None:
 
 
 def _write_cache(model_dir: Path, key: list[list], value: str) -> None:
-    body = json.dumps({"algorithm": ALGORITHM, "files": key, "base_model_hash": value}, indent=1)
+    path = cache_path(model_dir)
+    body = json.dumps({"algorithm": ALGORITHM, "folder": str(model_dir.resolve()), "files": key,
+                       "base_model_hash": value}, indent=1)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{CACHE_NAME}.", suffix=".tmp", dir=model_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError:
-        return  # read-only checkpoint folder: hash every time
+        return  # unwritable cache: hash every time
     try:
         with os.fdopen(fd, "w") as f:
             f.write(body + "\n")
-        os.replace(tmp, model_dir / CACHE_NAME)
+        os.replace(tmp, path)
     except OSError:
         Path(tmp).unlink(missing_ok=True)
 
@@ -116,7 +137,7 @@ def compute_base_model_hash(model_dir: str | os.PathLike, *, progress: bool = Fa
 
 
 def base_model_hash(model_dir: str | os.PathLike, *, progress: bool = False, use_cache: bool = True) -> str:
-    """`sha256:<hex>` content hash of the base checkpoint in `model_dir` (cached beside it).
+    """`sha256:<hex>` content hash of the base checkpoint in `model_dir` (cached in `cache_dir()`).
 
     Raises InvalidBaseModelError when the folder holds no readable safetensors checkpoint.
     """

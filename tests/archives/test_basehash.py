@@ -1,4 +1,4 @@
-"""The base-model hash: content over tensors, independent of sharding, cached beside the checkpoint."""
+"""The base-model hash: content over tensors, independent of sharding, cached outside the checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import struct
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from archives.basehash import CACHE_NAME, base_model_hash, compute_base_model_hash
+from archives.basehash import CACHE_ENV, base_model_hash, cache_path, compute_base_model_hash
 from archives.errors import InvalidBaseModelError
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "hash-cache"))
 
 
 @pytest.fixture
@@ -32,7 +37,8 @@ def test_format_and_different_bases(dev_model, dev_model_b):
 
 def test_cache_is_written_used_and_invalidated(base_copy):
     fresh = base_model_hash(base_copy)
-    cache = base_copy / CACHE_NAME
+    assert sorted(p.name for p in base_copy.iterdir()) == ["config.json", "model.safetensors"]  # nothing written there
+    cache = cache_path(base_copy)
     assert json.loads(cache.read_text())["base_model_hash"] == fresh
 
     # The cache answers while the files are unchanged: a planted value comes back.
@@ -49,13 +55,15 @@ def test_cache_is_written_used_and_invalidated(base_copy):
 
 
 def test_unwritable_cache_is_skipped(base_copy):
-    (base_copy / CACHE_NAME).mkdir()  # the cache path cannot be written (as in a read-only folder)
+    cache_path(base_copy).parent.parent.mkdir(parents=True, exist_ok=True)
+    cache_path(base_copy).parent.write_text("a file, not a folder")  # the cache cannot be written
     assert base_model_hash(base_copy) == compute_base_model_hash(base_copy)
 
 
 def test_damaged_cache_is_ignored(base_copy):
     expected = compute_base_model_hash(base_copy)
-    (base_copy / CACHE_NAME).write_text("{not json")
+    cache_path(base_copy).parent.mkdir(parents=True, exist_ok=True)
+    cache_path(base_copy).write_text("{not json")
     assert base_model_hash(base_copy) == expected
 
 
