@@ -305,3 +305,91 @@ def test_engine_admission(benchmark, bench_report, setup):
     bench_report.note(SUITE, "admission", f"{ADMIT_REQUESTS} requests, prompts of {PROMPT}, max_tokens "
                                           f"{ADMIT_MAX_TOKENS}, cancelled after {ADMIT_STOP} tokens; KV cache of "
                                           f"7 x (prompt + max_tokens) tokens; no adapters")
+
+
+INV_ROUNDS = int(os.environ.get("LORAFARM_BENCH_INVARIANT_ROUNDS", "24"))
+
+
+def test_engine_batch_invariant_cost(benchmark, bench_report):
+    """The cost of `Engine(batch_invariant=True)` (replica --batch-invariant) against the default mode
+    in the same run: decode tokens/s of 32 rows on 32 distinct adapters on scattered slots (one
+    decode step of each engine per round, shuffled), and a whole batch end to end (prefill of 32
+    prompts of 64 tokens, then 16 tokens each; one batch of each engine per round). Both engines
+    decode with the gathered attention (what "auto" takes for this model on the CPU)."""
+    model_dir = _small_model()
+    adapters = _adapters(model_dir, BATCH)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 450, (BATCH, PROMPT), generator=g)
+    device = bench_report.device
+
+    def new_engine(invariant: bool) -> Engine:
+        e = Engine(model_dir, device=device, dtype=torch.float32, kv_cache_bytes=64 << 20, max_batch=BATCH,
+                   rank_pools={RANK: 2 * BATCH}, max_prefill_tokens=BATCH * PROMPT, attention="gather",
+                   batch_invariant=invariant)
+        order = [f"a{j}" for j in range(BATCH)] + [f"filler{j}" for j in range(BATCH)]
+        random.Random(0).shuffle(order)
+        for name in order:
+            w = adapters[int(name[1:])] if name.startswith("a") else adapters[0]
+            e.mount_adapter(name, w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
+        for j in range(BATCH):
+            e.unmount_adapter(f"filler{j}")
+        return e
+
+    engines = {"default": new_engine(False), "invariant": new_engine(True)}
+    rid = [0]
+
+    def submit(e: Engine, new: int) -> None:
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        for row in range(BATCH):
+            rid[0] += 1
+            e.add_request(f"i{rid[0]}", prompts[row].tolist(), params, f"a{row}", lambda ev: None)
+
+    samples: dict[str, list[float]] = {f"invariant/{k}-{w}": [] for k in engines for w in ("decode", "e2e")}
+    names = list(engines)
+    rng = random.Random(0)
+
+    def refill():
+        for e in engines.values():
+            if not e.has_work():
+                submit(e, NEW)
+                e.step()  # prefill (untimed)
+
+    def one_round():
+        rng.shuffle(names)
+        for k in names:
+            _sync(device)
+            t0 = time.perf_counter()
+            engines[k].step()
+            _sync(device)
+            samples[f"invariant/{k}-decode"].append(time.perf_counter() - t0)
+
+    refill()
+    for _ in range(2):
+        one_round()
+    for xs in samples.values():
+        xs.clear()
+    benchmark.group = "batch-invariant mode vs default (one round = one decode step of each)"
+    benchmark.pedantic(one_round, setup=refill, rounds=INV_ROUNDS, iterations=1, warmup_rounds=0)
+    for e in engines.values():
+        while e.step():
+            pass
+    e2e_new = 16
+    for _ in range(max(2, INV_ROUNDS // 8)):
+        rng.shuffle(names)
+        for k in names:
+            e = engines[k]
+            submit(e, e2e_new)
+            _sync(device)
+            t0 = time.perf_counter()
+            while e.step():
+                pass
+            _sync(device)
+            samples[f"invariant/{k}-e2e"].append(time.perf_counter() - t0)
+    for name, xs in samples.items():
+        med = statistics.median(xs)
+        per = BATCH if name.endswith("decode") else BATCH * e2e_new
+        bench_report.add(SUITE, name, tokens_per_s=per / med, median_s=med, rounds=len(xs), samples=[per / x for x in xs])
+    bench_report.note(SUITE, "batch-invariant mode", f"32 rows on 32 distinct rank-{RANK} adapters on scattered slots, "
+                                                     f"gathered attention; decode: one step of each engine per round "
+                                                     f"({INV_ROUNDS} rounds); e2e: 32 prompts of {PROMPT} + {e2e_new} "
+                                                     f"tokens each")

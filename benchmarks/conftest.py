@@ -161,6 +161,10 @@ ENGINE_TARGETS = [  # optional 6th element: the field to compare (default: token
     ("ours / transformers serve --continuous-batching, tokens/s (base model, concurrency 32, streamed HTTP)",
      "serve/ours", "serve/hf", 2.0, ">=", "tokens_per_s"),
     ("ours / transformers serve, p95 time to first token", "serve/ours", "serve/hf", 0.5, "<=", "ttft_p95_s"),
+    ("batch-invariant mode / default, decode tokens/s (32 distinct adapters, scattered slots)",
+     "invariant/invariant-decode", "invariant/default-decode", None, None),
+    ("batch-invariant mode / default, end-to-end tokens/s (prefill of 32 x 64 tokens + 16 new each)",
+     "invariant/invariant-e2e", "invariant/default-e2e", None, None),
 ]
 
 ENGINE_7B_TARGETS = [

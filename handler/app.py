@@ -73,6 +73,7 @@ class ReplicaConfig:
     prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
     attention: str = "auto"  # decode attention: auto | paged | gather (handler.engine.Engine)
     compile: bool = False  # torch.compile the layer pieces of decode steps (CUDA graphs on cuda)
+    batch_invariant: bool = False  # a row's arithmetic independent of the batch (handler.engine.Engine)
     pull_owned: bool = True
     prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
     prefetch_top: int = 16  # how many of the most requested adapters to keep warm
@@ -198,7 +199,8 @@ class ReplicaService:
             device=cfg.device, dtype=dtype, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots,
             rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
             ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
-            source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile)
+            source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile,
+            batch_invariant=cfg.batch_invariant)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
         await asyncio.to_thread(self.handler.initialize, ctx)

@@ -118,8 +118,11 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
     p.add_argument("--attention", default="auto", choices=["auto", "paged", "gather"],
                    help="decode attention: paged (read in place on the KV cache, a compiled kernel), gather "
-                        "(blocks copied out, then SDPA), or auto (paged where it compiles and is measured no slower "
-                        "at startup)")
+                        "(blocks copied out, then SDPA), or auto (a fixed rule of device and shapes, paged only where "
+                        "the kernel compiles and checks correct; nothing is timed at startup)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a row's arithmetic independent of the batch around it (same tokens and logits at temperature "
+                        "0 alone or in a batch; docs/architecture.md); excludes --compile")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
                         "cuda); compiles for a minute or more at first use")
@@ -190,6 +193,7 @@ def build_config(args: argparse.Namespace):
         shutdown_grace_s=args.shutdown_grace_s,
         prefetch_interval_s=args.prefetch_interval_s, load_nice=args.load_nice,
         attention=args.attention, compile=getattr(args, "compile", False),
+        batch_invariant=getattr(args, "batch_invariant", False),
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 

@@ -197,6 +197,7 @@ class Engine:
         kv_reserve: str = "demand",
         attention: str = "auto",
         compile: bool = False,
+        batch_invariant: bool = False,
     ):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
@@ -208,10 +209,15 @@ class Engine:
         "max_tokens" (reserve prompt + max_tokens at admission; the pre-paging policy, kept for
         comparison).
         attention: decode attention, "paged" (in place on the cache, `handler.paged_attention`),
-        "gather" (each bucket's blocks copied out, then SDPA) or "auto" (paged where it compiles and
-        is measured no slower here, at construction).
+        "gather" (each bucket's blocks copied out, then SDPA) or "auto": a fixed rule of device and
+        shapes (`paged_attention.prefers_paged`), paged only where the probe also finds it compiles
+        and is correct; nothing is timed at construction. With batch_invariant, "auto" gathers.
         compile: torch.compile the layer pieces for decode-only steps, padded to batch buckets
         (`Runner.compile`; CUDA graphs on CUDA). Steps with prefill stay eager.
+        batch_invariant: a row's arithmetic independent of the batch (docs/architecture.md, "Answers
+        independent of load"): every product on at least `model.INVARIANT_MIN_ROWS` rows, the LoRA
+        delta per token ("invariant" kernel), decode attention gathered, prompts prefilled in chunks
+        at fixed offsets (multiples of max_prefill_tokens). Excludes compile.
         """
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
@@ -268,6 +274,12 @@ class Engine:
         if max_context is not None:
             self.max_context = min(self.max_context, int(max_context))
         self._buffers = StepBuffers(self.device)
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant and compile:
+            raise ValueError("batch_invariant and compile exclude each other (compiled pieces run padded buckets)")
+        self.runner.batch_invariant = self.batch_invariant
+        if self.lora is not None and self.batch_invariant:
+            self.lora.kernel = "invariant"
         self.compiled = bool(compile)
         if self.compiled:
             self.runner.compile()
@@ -275,7 +287,9 @@ class Engine:
         # beside a test runner) imports modules concurrently with code iterating over them (a CI run
         # failed on "dictionary changed size during iteration"), and takes the GIL from serving
         self.decode_tables: DecodeTables | None = None
-        if attention != "gather":
+        c = self.config
+        if attention == "paged" or (attention == "auto" and not self.batch_invariant
+                                    and paged_attention.prefers_paged(self.device, c.num_kv_heads, c.head_dim)):
             self.decode_tables = self._probe_attention(required=attention == "paged")
 
         self._lock = threading.RLock()
@@ -547,29 +561,28 @@ class Engine:
         with self._step_lock:
             self.decode_tables = tables
 
-    def measure_attention(self) -> paged_attention.Probe:
-        """The paged decode kernel compiled, checked and timed against the gathered path for this
-        engine's shapes (`paged_attention.probe`, cached per process)."""
+    def measure_attention(self, timed: bool = True) -> paged_attention.Probe:
+        """The paged decode kernel compiled and checked against the gathered path for this engine's
+        shapes and, with `timed` (benchmarks only), both paths timed (`paged_attention.measure`;
+        cached per process)."""
         c = self.config
+        fn = paged_attention.measure if timed else paged_attention.probe
         try:
-            return paged_attention.probe(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         self.kv.block_size, windows=self.runner.windows, rows=min(self.max_batch, 32))
+            return fn(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
+                      self.kv.block_size, windows=self.runner.windows, rows=min(self.max_batch, 32))
         except Exception as e:  # noqa: BLE001 - the probe's own failure: stay on the gathered path
             return paged_attention.Probe(False, f"probe failed: {type(e).__name__}: {e}")
 
     def _probe_attention(self, required: bool = False) -> DecodeTables | None:
-        """The paged kernel's tables if it is used: with `required` ("paged") a failure is an error,
-        else ("auto") only when it is measured no slower than the gathered path."""
-        p = self.measure_attention()
+        """The paged kernel's tables once the probe found it correct: with `required` ("paged") a
+        failure is an error, else ("auto", where the rule chose it) the gathered path. No timing."""
+        p = self.measure_attention(timed=False)
         if required and not p.ok:
             raise ValueError(f"attention 'paged': {p.reason}")
-        if not required and not p.faster:
-            log.info("decode attention: gathered (paged %s: %.3f / %.3f ms vs gathered %.3f / %.3f ms, mixed / short "
-                     "contexts)", p.reason, p.paged_ms, p.short_paged_ms, p.gathered_ms, p.short_gathered_ms)
+        if not p.ok:
+            log.info("decode attention: gathered (paged %s)", p.reason)
             return None
-        if not required:
-            log.info("decode attention: paged (%.3f / %.3f ms vs gathered %.3f / %.3f ms, mixed / short contexts)",
-                     p.paged_ms, p.short_paged_ms, p.gathered_ms, p.short_gathered_ms)
+        log.info("decode attention: paged (%s)", p.reason)
         return DecodeTables(self.kv, self.max_batch)
 
     def has_work(self) -> bool:
@@ -592,7 +605,15 @@ class Engine:
                     if budget <= 0:
                         break
                     n = min(len(req.ctx) - req.prefilled, budget)
+                    if self.batch_invariant:
+                        # chunks at fixed offsets (multiples of max_prefill_tokens), whole or not at
+                        # all: a prompt is cut the same way alone or beside others
+                        n = min(len(req.ctx) - req.prefilled,
+                                self.max_prefill_tokens - req.prefilled % self.max_prefill_tokens)
+                        if n > budget:
+                            break
                     prefill.append((req, n))
+
                     budget -= n
                 # decode rows ordered by adapter slot: rows of one adapter sit together and a run of
                 # consecutive slots is read from the stacks as a view instead of a gathered copy

@@ -75,6 +75,7 @@ class HandlerContext:
     merged_adapter_dir: Path | None = None  # its verified PEFT folder (set by the app)
     attention: str = "auto"  # decode attention: auto | paged | gather
     compile: bool = False  # torch.compile'd layer pieces for decode steps
+    batch_invariant: bool = False  # Engine(batch_invariant=True)
 
 
 @dataclass
@@ -325,7 +326,8 @@ class LoraHandler:
             pools = {context.limits.rank_limit: context.slots}
         kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
                                   rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens,
-                                  attention=context.attention, compile=context.compile)
+                                  attention=context.attention, compile=context.compile,
+                                  batch_invariant=context.batch_invariant)
         if context.kv_cache_bytes:
             kw["kv_cache_bytes"] = context.kv_cache_bytes
         if context.merged_adapter:

@@ -30,8 +30,13 @@ Kernels (pure torch, shared by every layer, metadata built once per step by `Mod
     matmul against B[lo:hi]. Fewest calls, but every token multiplies every slot of the range.
   * A single adapter over the whole batch is one segment without any gather (two thin matmuls).
 The segment length minimises padded rows + weight reads; the kernel is chosen per pool and step by
-`ModelLoRA.estimate`: call count x per-call cost + weight bytes / bandwidth + MACs / rate, with the
-constants measured on this device at first use (`kernel_costs`, ~0.1 s, cached per device/dtype).
+`ModelLoRA.estimate`: call count x per-call cost + weight bytes / bandwidth + MACs / rate, with
+fixed constants per device type and dtype (`kernel_costs`: never timed at start-up, so the choice is a
+function of the step's shapes and the device only; a calibration stored on an idle machine may
+replace them).
+  * Invariant (`kernel = "invariant"`, the engine's batch-invariant mode): every token is its own
+    [1, k] product against its slot's copied stacks (one bmm per group and module), so a row's delta
+    has the same reduction order whatever the batch and the slots around it.
 
 Adapters with NaN or infinite values are rejected at `set_adapter`, and so are adapters whose A
 or scale * B do not fit the slot dtype (scaled B past 65,504 in float16): stored weights are
@@ -173,13 +178,60 @@ class KernelCosts:
 
 _COSTS: dict = {}
 
+# Fixed constants per device type and dtype: the kernel choice is a function of the step's shapes and
+# the device only, never of a timing taken at start-up (a busy machine would pick other kernels, and
+# kernels differ in reduction order: the same request could decode differently on two replicas or
+# after a restart). Orders of magnitude measured on an idle 2-core EPYC (torch 2.13, one thread) and
+# typical of a recent datacenter GPU; only their ratios matter. A stored calibration can replace them
+# (`LORAFARM_KERNEL_COSTS`, written by `python -m handler.lora calibrate FILE` on an idle machine).
+FIXED_COSTS: dict[tuple[str, str], tuple[float, float, float, float]] = {
+    ("cpu", "float32"): (2.5e-6, 4e9, 4e10, 3e10),
+    ("cpu", "bfloat16"): (2.5e-6, 2e8, 4e10, 3e9),
+    ("cpu", "float16"): (2.5e-6, 2e8, 4e10, 3e9),
+    ("cuda", "float32"): (8e-6, 2e12, 1e12, 2e13),
+    ("cuda", "bfloat16"): (8e-6, 2e12, 1e12, 2e14),
+    ("cuda", "float16"): (8e-6, 2e12, 1e12, 2e14),
+}
+COSTS_ENV = "LORAFARM_KERNEL_COSTS"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _stored_costs(device: torch.device, dtype: torch.dtype) -> KernelCosts | None:
+    """The calibration stored in $LORAFARM_KERNEL_COSTS (JSON {"cpu/float32": [call_s, read_bps,
+    copy_bps, macs_per_s]}) for this device, if any: read, never measured, at start-up."""
+    path = os.environ.get(COSTS_ENV)
+    if not path:
+        return None
+    import json
+
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    v = table.get(f"{device.type}/{_dtype_name(dtype)}")
+    return KernelCosts(*(float(x) for x in v)) if v and len(v) == 4 else None
+
 
 def kernel_costs(device: torch.device, dtype: torch.dtype) -> KernelCosts:
-    """The calibrated constants for this device and dtype (measured on first use, ~50 ms, cached)."""
+    """The constants for this device type and dtype: a stored calibration if one is configured, else
+    `FIXED_COSTS`. Never timed here: the same shapes pick the same kernel on every replica."""
+    device = torch.device(device)
     key = (str(device), dtype)
     if key not in _COSTS:
-        _COSTS[key] = _calibrate(torch.device(device), dtype)
+        stored = _stored_costs(device, dtype)
+        fixed = FIXED_COSTS.get((device.type, _dtype_name(dtype))) or FIXED_COSTS[(device.type if device.type in
+                                                                                   ("cpu", "cuda") else "cpu", "float32")]
+        _COSTS[key] = stored or KernelCosts(*fixed)
     return _COSTS[key]
+
+
+def calibrate(device: torch.device, dtype: torch.dtype) -> KernelCosts:
+    """Time four small ops (min of a few runs). Only for `python -m handler.lora calibrate`, run on an
+    idle machine; its output is stored and reused, never measured while serving starts."""
+    return _calibrate(torch.device(device), dtype)
 
 
 def _calibrate(device: torch.device, dtype: torch.dtype) -> KernelCosts:
@@ -315,6 +367,14 @@ class MultiLoRALinear:
                 for m in range(n_mod):
                     ys = y[:, self.offsets[m] : self.offsets[m] + self.d[m]]
                     ys.addmm_(h[:, :, m, :].reshape(T, W * r), Bs[m].narrow(0, pb.lo, W).reshape(W * r, self.d[m]))
+                continue
+            if pb.mode == "invariant":  # per row, whatever the batch: one [1, k] product per token
+                xs = x.index_select(0, pb.out_index).unsqueeze(1)  # [U, 1, k]
+                h = torch.bmm(xs, A.index_select(0, pb.seg_slots).transpose(1, 2))  # [U, 1, n*r]
+                for m in range(n_mod):
+                    out = torch.bmm(h[:, :, m * r : (m + 1) * r], Bs[m].index_select(0, pb.seg_slots))
+                    ys = y[:, self.offsets[m] : self.offsets[m] + self.d[m]]
+                    ys.index_add_(0, pb.out_index, out.view(-1, self.d[m]))
                 continue
             xs = x.unsqueeze(1) if pb.mode == "rows" else x[pb.gather]  # [U, L, k]
             U, L = xs.shape[0], xs.shape[1]
@@ -649,7 +709,7 @@ class ModelLoRA:
                 layer.reset_lora(pool, local)
 
     # -- per step
-    kernel = "auto"  # default `mode` of prepare(); "segments", "gather" or "dense" force one kernel
+    kernel = "auto"  # default `mode` of prepare(); "segments", "gather", "dense" or "invariant" force one kernel
 
     def estimate(self, pool: int, kernel: str, tokens: int, segments: int, seg_len: int, runs: int, width: int) -> float:
         """Estimated seconds of one step's LoRA work in `pool` for every layer (see `KernelCosts`).
@@ -675,7 +735,7 @@ class ModelLoRA:
         tests and benchmarks; "auto" picks, per pool, the cheapest by `estimate` with this device's
         measured constants."""
         mode = mode or self.kernel
-        if mode not in ("auto", "segments", "gather", "dense"):
+        if mode not in ("auto", "segments", "gather", "dense", "invariant"):
             raise ValueError(f"unknown LoRA kernel mode {mode!r}")
         T = len(slot_of_token)
         by_pool: dict[int, dict[int, list[int]]] = {}
@@ -687,6 +747,14 @@ class ModelLoRA:
             return None
         pools = []
         dev = self.device
+        if mode == "invariant":  # every token alone: the same products whatever the batch holds
+            for pool in sorted(by_pool):
+                idx = [i for i, s in enumerate(slot_of_token) if s and self._slot_map[s][0] == pool]
+                local = [self._slot_map[slot_of_token[i]][1] for i in idx]
+                pools.append(PoolBatch(pool, "invariant", num_segments=len(idx),
+                                       seg_slots=to_device(torch.tensor(local, dtype=torch.long), dev),
+                                       out_index=to_device(torch.tensor(idx, dtype=torch.long), dev)))
+            return LoRABatch(pools)
         for pool, segs in sorted(by_pool.items()):
             r = self.pools[pool][0]
             n = sum(len(v) for v in segs.values())
@@ -771,3 +839,29 @@ def read_peft_adapter(path) -> PeftAdapter:
     if isinstance(targets, str):
         targets = sorted({m for m in LORA_MODULES if re.search(targets, m)})
     return PeftAdapter(weights, int(cfg["r"]), float(cfg["lora_alpha"]), list(targets), bool(cfg.get("use_rslora", False)))
+
+
+def _main(argv=None) -> int:
+    """`python -m handler.lora calibrate FILE [--device cuda] [--dtype bfloat16]`: time the kernel-choice
+    constants on this (idle) machine and store them in FILE (merged with what it holds) for
+    $LORAFARM_KERNEL_COSTS. Replicas read the file; they never time anything at start-up."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m handler.lora")
+    ap.add_argument("command", choices=["calibrate"])
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a = ap.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+    c = calibrate(torch.device(a.device), dtype)
+    table = json.loads(a.file.read_text()) if a.file.exists() else {}
+    table[f"{torch.device(a.device).type}/{a.dtype}"] = [c.call_s, c.read_bps, c.copy_bps, c.macs_per_s]
+    a.file.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"{a.file}: {torch.device(a.device).type}/{a.dtype} = {c}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

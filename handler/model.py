@@ -553,6 +553,49 @@ class Pieces:
 
 EAGER = Pieces()
 
+# Batch-invariant pieces (`Runner.batch_invariant`): a row's products never depend on how many rows
+# share the step. CPU BLAS picks another kernel (another reduction order over k) for a matmul of
+# few rows (a gemv at 1 row, small-M kernels below 16 rows; see `test_padded_linear_is_row_invariant`),
+# so every product runs on at least INVARIANT_MIN_ROWS rows, zero-padded: from there on the reduction
+# order of a row is fixed (checked bitwise on this machine's MKL, float32 and bfloat16; not claimed
+# for cuBLAS, whose split-K choice depends on the row count).
+INVARIANT_MIN_ROWS = 16
+
+
+def padded_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over at least INVARIANT_MIN_ROWS rows (zero rows appended, then dropped)."""
+    T = x.shape[0]
+    if T >= INVARIANT_MIN_ROWS:
+        return F.linear(x, w, b)
+    xp = torch.cat([x, x.new_zeros((INVARIANT_MIN_ROWS - T, x.shape[1]))])
+    return F.linear(xp, w, b)[:T]
+
+
+def _bi_attn_in(x, d, norm, w, b, eps: float):
+    if d is not None:
+        x = x + d
+    h = rms_norm(x, norm, eps)
+    return x, h, padded_linear(h, w, b)
+
+
+def _bi_mlp_in(x, o, norm, w, b, eps: float):
+    x = x + o
+    h = rms_norm(x, norm, eps)
+    return x, h, padded_linear(h, w, b)
+
+
+def _bi_mlp_out(gu, w, b, act: str):
+    half = gu.shape[1] // 2
+    m = _ACTS[act](gu[:, :half]) * gu[:, half:]
+    return m, padded_linear(m, w, b)
+
+
+def _bi_head(x, d, norm, w, eps: float):
+    return padded_linear(rms_norm(x + d, norm, eps), w).float()
+
+
+INVARIANT = Pieces(_bi_attn_in, _rope, padded_linear, _bi_mlp_in, _bi_mlp_out, _bi_head)
+
 
 def bucket_rows(n: int) -> int:
     """The padded row count of a bucketed decode step: 1, 2, 4, 8, then multiples of 8."""
@@ -664,6 +707,7 @@ class Runner:
                                (_attn_in, _rope, _linear, _mlp_in, _mlp_out, _head)))
 
     pieces: Pieces | None = None
+    batch_invariant = False  # INVARIANT pieces, always eager (`Engine(batch_invariant=True)`)
     compiled_steps = 0  # forward passes that ran the compiled pieces
 
     @torch.inference_mode()
@@ -675,7 +719,10 @@ class Runner:
         cfg = self.config
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        p = self.pieces if self.pieces is not None and batch.rows is not None else EAGER
+        if self.batch_invariant:
+            p = INVARIANT
+        else:
+            p = self.pieces if self.pieces is not None and batch.rows is not None else EAGER
         if p is not EAGER:
             self.compiled_steps += 1
         lora = self.lora if batch.lora is not None else None

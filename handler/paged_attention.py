@@ -14,9 +14,11 @@ on every other row (the gathered layout pads each bucket to its longest row).
 
 The kernel is compiled (`torch.compile`, dynamic shapes: one compile serves every batch size and
 block-table width): Triton on CUDA, inductor's C++ template on CPU. `probe()` compiles it once per
-shape family, checks it against the gathered path on scattered blocks and mixed lengths, and times
-both on mixed and on short contexts; the engine ("auto") takes it where it is no slower on either,
-and keeps the gathered path where it is slower or does not compile.
+shape family and checks it against the gathered path on scattered blocks and mixed lengths; it
+times nothing. Which path "auto" takes is a fixed rule of device and shapes (`prefers_paged`): a
+timing taken while a replica starts on a busy machine could pick another path on another replica or
+after a restart, and the paths differ in reduction order. `measure()` times both paths, for
+benchmarks (and for revisiting the rule), never at start-up.
 
 The block-table buffer `kv_idx` is persistent (`DecodeTables`): the kernel needs it as wide as the
 pool, so it is allocated once per cache and only the first `nb` columns of the step's rows are
@@ -193,11 +195,23 @@ def attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, meta: 
     return out.squeeze(2)
 
 
+# On the CPU the paged kernel beat the gathered copy at Llama-2-7B dims (32 kv heads x 128) and lost
+# at the dev models' (2 x 32, 2 x 64): `make bench`, docs/benchmarks.md. Below this many K values
+# per token and layer the CPU keeps the gathered path; CUDA always takes the paged kernel.
+CPU_PAGED_MIN_KV_WIDTH = 1024
+
+
+def prefers_paged(device: torch.device | str, kv_heads: int, head_dim: int) -> bool:
+    """The "auto" rule: the paged kernel (where `probe` finds it compiles and is correct) on CUDA,
+    and on the CPU for models of at least CPU_PAGED_MIN_KV_WIDTH K values per token and layer.
+    A function of the device type and shapes only: every replica of a model picks the same path."""
+    return torch.device(device).type == "cuda" or kv_heads * head_dim >= CPU_PAGED_MIN_KV_WIDTH
+
+
 @dataclass
 class Probe:
-    """The paged kernel's check and times against the gathered path, per workload: "mixed" (context
-    lengths up to 20 blocks, one row at 20) and "short" (1 to 6 blocks, where the gathered copy is
-    cheapest). `faster`: no slower on either."""
+    """The paged kernel's check against the gathered path. Times only from `measure` (benchmarks):
+    "mixed" (context lengths up to 20 blocks, one row at 20) and "short" (1 to 6 blocks)."""
 
     ok: bool
     reason: str
@@ -208,31 +222,41 @@ class Probe:
 
     @property
     def faster(self) -> bool:
+        """Measured no slower on either workload (only meaningful after `measure`)."""
         return self.ok and self.paged_ms <= self.gathered_ms and self.short_paged_ms <= self.short_gathered_ms
 
 
 def probe(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
           windows=(None,), rows: int = 32) -> Probe:
-    """Compile the kernel, check it against the gathered path (bucketed, as `build_step_batch`
-    builds it) on scattered blocks and mixed lengths for each window and at several batch sizes,
-    and time both at `rows` decode rows on both workloads: the times pick the path. Cached per
-    shape family.
+    """Compile the kernel and check it against the gathered path (bucketed, as `build_step_batch`
+    builds it) on scattered blocks and mixed lengths for each window and at several batch sizes.
+    No timing. Cached per shape family.
 
     `attend` compiles for dynamic batch sizes (one compile for 2 rows and more; one more for a
     single row, which torch always specializes), so the check covers 32, 3 and 1 rows. The probe
     runs as `Runner.forward` does (inference mode, a cache made outside it), since grad mode and
     the tensors' dispatch keys are part of the compiled kernel's guards: a mismatch would mean a
     recompile in the middle of serving."""
+    return _cached(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed=False)
+
+
+def measure(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
+            windows=(None,), rows: int = 32) -> Probe:
+    """`probe` plus the times of both paths at `rows` decode rows on both workloads (benchmarks)."""
+    return _cached(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed=True)
+
+
+def _cached(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed: bool) -> Probe:
     device = torch.device(device)
     windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
-    key = (str(device), dtype, heads, kv_heads, head_dim, block_size, windows, rows)
-    with _compile_lock:  # one probe at a time: concurrent ones would compile twice and skew the times
+    key = (str(device), dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed)
+    with _compile_lock:  # one probe at a time: concurrent ones would compile twice (and skew times)
         if key not in _probes:
-            _probes[key] = _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows)
+            _probes[key] = _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed)
         return _probes[key]
 
 
-def _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows) -> Probe:
+def _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed: bool) -> Probe:
     from handler.kvcache import KVCache
     from handler.model import attend_group, build_step_batch
 
@@ -288,6 +312,12 @@ def _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows) 
         compile_s = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - no compiler, no Triton, an unsupported shape: the gathered path
         return Probe(False, f"unavailable: {type(e).__name__}: {e}"[:300])
+
+    if not timed:
+        p = Probe(True, f"compiled and checked in {compile_s:.1f} s")
+        log.info("paged decode attention (%s, %s, %d/%d heads, D %d, block %d): %s", device, dtype, heads,
+                 kv_heads, head_dim, block_size, p.reason)
+        return p
 
     @torch.inference_mode()
     def once(batch) -> float:

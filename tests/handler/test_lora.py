@@ -104,13 +104,13 @@ def fx():
         [0, 0, 0],  # no adapter at all
     ],
 )
-@pytest.mark.parametrize("mode", ["auto", "segments", "gather", "dense"])
+@pytest.mark.parametrize("mode", ["auto", "segments", "gather", "dense", "invariant"])
 def test_layer_matches_naive_reference(fx, slots, mode):
     fx.check(slots, prefill=False, mode=mode)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.integers(0, 8), min_size=1, max_size=70), st.sampled_from(["auto", "segments", "gather", "dense"]))
+@given(st.lists(st.integers(0, 8), min_size=1, max_size=70), st.sampled_from(["auto", "segments", "gather", "dense", "invariant"]))
 def test_layer_matches_reference_for_any_slot_assignment(fx, slots, mode):
     fx.check(slots, prefill=True, mode=mode)
 
@@ -168,7 +168,7 @@ def test_reset_slot_gives_zero_delta(fx):
     assert y.abs().max() == 0
 
 
-@pytest.mark.parametrize("mode", ["auto", "segments", "gather", "dense"])
+@pytest.mark.parametrize("mode", ["auto", "segments", "gather", "dense", "invariant"])
 def test_huge_finite_adapter_reaches_no_other_row(mode):
     """An adapter with finite weights whose product overflows (inf) changes only its own rows."""
     fx = _Fixture(seed=5)
@@ -283,3 +283,25 @@ def test_merged_equals_unmerged(lora_runner, dev_model, canaries, name):
     assert merge_adapter(merged_runner, ad.weights, ad.rank, ad.alpha, ad.target_modules) > 0
     assert merged_runner.lora is None
     assert rel_err(merged_runner.logits(ids), unmerged) <= TOL
+
+
+def test_invariant_kernel_row_is_bitwise_the_same_in_any_batch(fx):
+    """The "invariant" kernel: a row's delta is bitwise equal whatever rows and slots surround it."""
+    g = torch.Generator().manual_seed(4)
+    for group, layer in fx.lora.layers[0].items():
+        x = torch.randn(12, layer.k, generator=g)
+        slots = [4, 5, 6, 0, 4, 6, 5, 0, 1, 7, 2, 8]
+        full = torch.zeros(12, sum(layer.d))
+        layer.apply(x, full, fx.lora.prepare(slots, prefill=False, mode="invariant"))
+        for i in range(12):
+            for rows in ([i], [i, (i + 3) % 12], list(range(i + 1))):
+                y = torch.zeros(len(rows), sum(layer.d))
+                layer.apply(x[rows], y, fx.lora.prepare([slots[r] for r in rows], prefill=False, mode="invariant")
+                            or _none())
+                assert torch.equal(y[rows.index(i)], full[i]), (group, i, rows)
+
+
+def _none():
+    from handler.lora import LoRABatch
+
+    return LoRABatch([])

@@ -95,12 +95,16 @@ def test_paged_decode_reads_no_other_rows_blocks(paged_kernel):
     assert torch.equal(before, after)
 
 
-def test_probe_checks_and_times_both_paths(paged_kernel):
+def test_probe_checks_without_timing_and_measure_times_both_paths(paged_kernel):
+    """The start-up probe compiles and checks the kernel but times neither path (the path is chosen
+    by a fixed rule, `prefers_paged`); `measure` (benchmarks) times both."""
     p = paged_attention.probe("cpu", torch.float32, 4, 2, 32, 16, windows=(None, 24), rows=8)
     assert p.ok, p.reason
-    assert p.paged_ms > 0 and p.gathered_ms > 0
-    assert p.faster == (p.paged_ms <= p.gathered_ms)
+    assert all(t != t for t in (p.paged_ms, p.gathered_ms, p.short_paged_ms, p.short_gathered_ms))  # NaN
     assert paged_attention.probe("cpu", torch.float32, 4, 2, 32, 16, windows=(24, None), rows=8) is p  # cached
+    m = paged_attention.measure("cpu", torch.float32, 4, 2, 32, 16, windows=(None, 24), rows=8)
+    assert m.ok and m.paged_ms > 0 and m.gathered_ms > 0
+    assert m.faster == (m.paged_ms <= m.gathered_ms and m.short_paged_ms <= m.short_gathered_ms)
 
 
 def test_kernel_compiled_under_one_thread_runs_safely_with_more(paged_kernel):
