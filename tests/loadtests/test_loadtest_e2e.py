@@ -88,14 +88,24 @@ def _interrupt_when(proc: subprocess.Popen, ready, timeout: float = 240.0) -> se
     return started
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT back to its default disposition. A run started in the
+    background (`make test &`, nohup, CI runners) inherits SIGINT *ignored*, and Python then installs
+    no KeyboardInterrupt handler, so the Ctrl-C below would do nothing (issue 26)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_keeps_the_partial_csv_and_stops_every_process(tmp_path, dev_model):
+    """Ctrl-C (SIGINT) mid-sweep keeps what was measured and stops every child process. The child
+    starts with SIGINT restored to its default (`_sigint_default`), so the test holds even when
+    pytest itself runs with SIGINT ignored (a background launch)."""
     state = tmp_path / "state"
     shutil.copytree(dev_model, state / "models" / "lorafarm-dev-tiny")
     out = tmp_path / "lt"
     proc = subprocess.Popen([sys.executable, "-m", "lorafarm", "loadtest", "--replicas", "1", "--adapters", "3",
                              "--state-dir", str(state), "--rates", "1,2", "--duration", "4", "--warmup", "1",
                              "--out", str(out), "--quiet"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=_sigint_default)  # fmt: skip
     started = _interrupt_when(proc, lambda: (out / "steps" / "slots8-2-requests.csv").exists())
     assert proc.returncode == 130
     assert len(started) >= 4  # registry, router, replica, locust
