@@ -77,6 +77,21 @@ async def test_poison_request_kills_at_most_two_replicas_then_is_refused(caplog)
     assert any("request_id=poison-2 tenant=acme" in m and "refused" in m for m in logged)
 
 
+async def test_strict_mode_loses_at_most_one_replica_to_a_poison_body():
+    """`--death-retries 0 --poison-threshold 1`: the replica a poison body reaches first is the only
+    one lost; the request and every resend (an OpenAI client's own retries included) get 400."""
+    async with router_farm(replicas=(), death_retries=0, poison_threshold=1) as farm:
+        key = farm.registry.add_tenant("acme")
+        reps = await _dying_farm(farm, 3)
+        async with httpx.AsyncClient(timeout=20) as http:
+            for _ in range(3):
+                r = await _chat(http, farm, key, POISON)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "poison_request"
+            assert sum(rep.dead.is_set() for rep in reps) == 1 and sum(len(rep.hits) for rep in reps) == 1
+            r = await _chat(http, farm, key, MSG)
+            assert r.status_code == 200
+
+
 async def test_after_a_death_a_request_goes_to_one_more_replica_only():
     """The per-request rule alone (threshold raised so the fingerprint does not decide): after the
     replica it was on died, the request reaches at most one more replica; a second death ends it with
