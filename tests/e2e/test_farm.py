@@ -50,10 +50,18 @@ def test_second_up_on_same_state_dir_reuses_everything(farm):
     assert again["tenants"][0]["aliases"] == farm["tenants"][0]["aliases"]
 
 
-def test_lorafarm_demo_command():
-    """The README's smoke test: start a farm, one streamed chat through the openai client, stop."""
+def test_lorafarm_demo_command(tmp_path, dev_model):
+    """The README's smoke test: start a farm, one streamed chat through the openai client, stop. Its
+    state dir is seeded with the session's dev model and canaries (the demo would otherwise train
+    its 4 canaries again: 443 s on a busy 2-core box); `Farm.prepare` finds them by their cache keys."""
+    from lorafarm.farm import DEMO_ADAPTERS
+    from tests.conftest import CANARY_DIR, make_canaries
+    from tests.e2e.conftest import seeded_farm
+
+    make_canaries(dev_model, DEMO_ADAPTERS)
+    seeded_farm(tmp_path, dev_model, CANARY_DIR, replicas=1, adapters=DEMO_ADAPTERS)
     proc = subprocess.run(
-        [sys.executable, "-m", "lorafarm", "demo", "--replicas", "1"],
+        [sys.executable, "-m", "lorafarm", "demo", "--replicas", "1", "--state-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
