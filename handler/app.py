@@ -78,6 +78,15 @@ class ReplicaConfig:
     prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
     prefetch_top: int = 16  # how many of the most requested adapters to keep warm
     shutdown_grace_s: float = 10.0  # SIGTERM: streams in flight get this long to finish
+    # liveness (issue 26): a stream whose request still waits (adapter, queue, prefill) gets an SSE
+    # comment `: keep-alive` this often, so the router's read timeout measures silence, not time to
+    # first token; 0: never
+    stream_keepalive_s: float = 2.0
+    # admission: shed with 503 overloaded + Retry-After *before* accepting when the engine's remaining
+    # work (unprefilled prompt + tokens still to generate, waiting and running) plus this request's
+    # would pass this many tokens; 0: no token bound (the waiting-queue cap still applies: 429)
+    max_queued_tokens: int = 65536
+    shed_retry_after_s: int = 1
 
     def resolved_model_name(self) -> str:
         return self.model_name or Path(self.base_dir).resolve().name
@@ -392,24 +401,90 @@ async def _complete(request: Request, kind: str) -> Response | Stream:
     echo = request.headers.get("x-lorafarm-model-name", "")
     if echo and len(echo) <= 256 and echo.isprintable():  # the router's requested name (an alias): echo it
         greq.model = echo
-    h.check_capacity()
+    _admit(svc, greq)
     headers = {"x-adapter-id": greq.adapter_id or greq.model, "x-adapter-tier": greq.tier,
                "x-request-id": greq.request_id}
-    gen: Generation = await _or_disconnect(request, h.inference(greq))
+    keepalive = svc.config.stream_keepalive_s
+    # admission (adapter load, engine queue): a stream waits for it up to one keep-alive interval, so
+    # that its errors (404, 422, 503: the router fails those over) keep their HTTP status; past that the
+    # stream is committed and keep-alives flow while it waits. A non-streamed request waits for it whole.
+    pending: asyncio.Future | None = asyncio.ensure_future(h.inference(greq))
+    try:
+        await _or_disconnect(request, asyncio.wait({pending}, timeout=keepalive if greq.stream and keepalive > 0
+                                                   else None))
+    except ClientDisconnected:
+        _drop_pending(svc, greq, pending)  # counted as cancelled, whether or not it reached the engine
+        raise
+    gen: Generation | None = None
+    if pending.done():
+        gen, pending = pending.result(), None  # an admission error is raised here, with its status
     if not greq.stream:
         try:
             body = await _or_disconnect(request, h.postprocess(greq, gen))
         finally:
             gen.abandon()
         return _json_response(200, body, headers)
-    return Stream(_sse(greq, gen, h.token_text), media_type="text/event-stream",
+    return Stream(_sse(greq, gen, h.token_text, pending=pending, keepalive_s=keepalive,
+                       svc=svc),
+                  media_type="text/event-stream",
                   headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-async def _sse(greq, gen: Generation, token_text) -> AsyncIterator[bytes]:
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def _admit(svc: ReplicaService, greq) -> None:
+    """Shed before accepting (issue 26): 429 queue_full above the waiting-queue cap; 503 overloaded
+    with Retry-After when the engine's remaining work plus this request's passes
+    `max_queued_tokens` (a lone request is always admitted). The router fails both over to another
+    replica, or hands the client the status and its Retry-After."""
+    h = svc.handler
+    h.check_capacity()
+    limit = svc.config.max_queued_tokens
+    if limit <= 0:
+        return
+    st = h.engine.stats()
+    queued = int(st.tokens_in_flight)
+    cost = len(greq.prompt_ids) + int(greq.max_tokens or 0) * int(greq.n or 1)
+    if queued and queued + cost > limit:
+        raise oai.OpenAIError(
+            503, f"The replica is overloaded ({queued} tokens of work queued, limit {limit}); retry shortly.",
+            type="server_error", code="overloaded", headers={"Retry-After": str(svc.config.shed_retry_after_s)})
+
+
+def _count_cancelled(svc: ReplicaService, greq) -> None:
+    """A request whose client left before it reached the engine is counted as cancelled too (the
+    engine's cancel counts the others): a 499 is always a cancelled request in the metrics."""
+    from handler.metrics import RequestTimer
+
+    RequestTimer(svc.metrics, greq.tier).on_finish("cancelled", len(greq.prompt_ids), 0)
+
+
+def _drop_pending(svc: ReplicaService, greq, pending: asyncio.Future) -> None:
+    """The client left while its admission was pending: cancel it; a generation that got through
+    anyway is abandoned (which counts it cancelled), else the request is counted cancelled here."""
+    if pending.done():
+        if not pending.cancelled() and pending.exception() is None:
+            pending.result().abandon()
+        return
+    pending.cancel()
+
+    def after(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            f.result().abandon()
+        else:
+            _count_cancelled(svc, greq)
+
+    pending.add_done_callback(after)
+
+
+async def _sse(greq, gen: Generation | None, token_text, *, pending: asyncio.Future | None = None,
+               keepalive_s: float = 0.0, svc: ReplicaService | None = None) -> AsyncIterator[bytes]:
     """The stream of a generation: per choice (`index`) a role chunk (chat), content (or text)
     chunks with their logprobs, tool calls as `tool_calls` deltas once complete, and a finish chunk;
-    then the usage chunk (on request) and [DONE]."""
+    then the usage chunk (on request) and [DONE]. While the request waits (admission still
+    `pending`: adapter load, engine queue; then prefill or a slow step) a `: keep-alive` SSE comment
+    goes out every `keepalive_s` (OpenAI clients ignore comments)."""
     from handler.constrained import ToolCallStream
 
     rid, model, created = greq.response_id, greq.model, greq.created
@@ -444,13 +519,39 @@ async def _sse(greq, gen: Generation, token_text) -> AsyncIterator[bytes]:
                 finish = "tool_calls"
             yield oai.chat_chunk(rid, model, created, index=i, finish_reason=finish)
 
+    pump: asyncio.Task | None = None
     try:
         if chat:
             for i in range(greq.n):
                 yield oai.sse(oai.chat_chunk(rid, model, created, content="", role=True, index=i))
-        async for d in gen:
-            for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
-                yield oai.sse(obj)
+        if pending is not None:
+            while not pending.done():
+                await asyncio.wait({pending}, timeout=keepalive_s)
+                if not pending.done():
+                    yield KEEPALIVE
+            gen, pending = pending.result(), None  # an admission error becomes an error event
+        if keepalive_s > 0:
+            # the generation is read by a pump task, so that waiting for the next delta can time out
+            # (a keep-alive) without cancelling the generation's own iterator
+            deltas: asyncio.Queue = asyncio.Queue()
+            pump = asyncio.ensure_future(_pump(gen, deltas))
+            while True:
+                try:
+                    async with asyncio.timeout(keepalive_s):
+                        d = await deltas.get()
+                except TimeoutError:
+                    yield KEEPALIVE
+                    continue
+                if d is _END:
+                    break
+                if isinstance(d, BaseException):
+                    raise d
+                for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
+                    yield oai.sse(obj)
+        else:
+            async for d in gen:
+                for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
+                    yield oai.sse(obj)
         if greq.include_usage:
             yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens))
         yield oai.SSE_DONE
@@ -458,7 +559,26 @@ async def _sse(greq, gen: Generation, token_text) -> AsyncIterator[bytes]:
         yield oai.sse_error(e)
         yield oai.SSE_DONE
     finally:
-        gen.abandon()  # no-op when it finished; cancels the engine request when the client left
+        if pump is not None and not pump.done():
+            pump.cancel()
+        if pending is not None and svc is not None:
+            _drop_pending(svc, greq, pending)  # the client left while it still waited for admission
+        if gen is not None:
+            gen.abandon()  # no-op when it finished; cancels the engine request when the client left
+
+
+_END = object()
+
+
+async def _pump(gen: Generation, out: asyncio.Queue) -> None:
+    try:
+        async for d in gen:
+            out.put_nowait(d)
+        out.put_nowait(_END)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # an OpenAIError (generation failed) is re-raised by the stream
+        out.put_nowait(e)
 
 
 def _join(a: tuple[str, list], b: tuple[str, list]) -> tuple[str, list]:

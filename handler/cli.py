@@ -127,6 +127,12 @@ def register(sub) -> None:
                    help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
                         "cuda); compiles for a minute or more at first use")
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; 429 above (default 256)")
+    p.add_argument("--max-queued-tokens", type=int, default=65536,
+                   help="shed with 503 overloaded + Retry-After before accepting a request when the engine's "
+                        "remaining work plus the request's passes this many tokens (0: off; default 65536)")
+    p.add_argument("--stream-keepalive-s", type=float, default=2.0,
+                   help="seconds between SSE `: keep-alive` comments while a streamed request waits (adapter, "
+                        "queue, prefill), so the router's read timeout measures silence (0: off; default 2)")
     p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
     p.add_argument("--load-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
                    help="CPU priority (nice) of adapter-load threads, so cold loads never slow the running "
@@ -191,6 +197,8 @@ def build_config(args: argparse.Namespace):
         disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=args.kv_cache_bytes,
         device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
         shutdown_grace_s=args.shutdown_grace_s,
+        max_queued_tokens=getattr(args, "max_queued_tokens", 65536),
+        stream_keepalive_s=getattr(args, "stream_keepalive_s", 2.0),
         prefetch_interval_s=args.prefetch_interval_s, load_nice=args.load_nice,
         attention=args.attention, compile=getattr(args, "compile", False),
         batch_invariant=getattr(args, "batch_invariant", False),

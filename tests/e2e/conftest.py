@@ -43,8 +43,12 @@ def running(farm: Farm):
 
 
 @pytest.fixture(scope="session")
-def farm(tmp_path_factory, dev_model, canaries):
-    with running(seeded_farm(tmp_path_factory.mktemp("farm"), dev_model, canaries, 2, E2E_ADAPTERS)) as info:
+def farm(tmp_path_factory, dev_model):
+    """Seeded with the first E2E_ADAPTERS shared canaries (no more are made for it)."""
+    from tests.conftest import CANARY_DIR, make_canaries
+
+    make_canaries(dev_model, E2E_ADAPTERS)
+    with running(seeded_farm(tmp_path_factory.mktemp("farm"), dev_model, CANARY_DIR, 2, E2E_ADAPTERS)) as info:
         yield info
 
 
@@ -54,7 +58,7 @@ def tenant(farm):
 
 
 @pytest.fixture(scope="session")
-def adapter_markers(farm, canary_index):
+def adapter_markers(farm):
     """adapter id -> the marker its canary answers with."""
     tenant = farm["tenants"][0]
     return {aid: farm["markers"][alias] for alias, aid in tenant["aliases"].items()}
