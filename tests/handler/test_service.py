@@ -392,10 +392,17 @@ async def test_client_disconnect_cancels_non_streaming(replica, service_archives
                    for t in ("gpu", "remote", "ram", "disk"))
 
     before = cancelled()
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=0.5)) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            await http.post(f"{replica.url}/v1/chat/completions",
-                            json=chat_body(aid, max_tokens=1500, ignore_eos=True))
+    h = replica.service.handler
+    async with httpx.AsyncClient(timeout=60) as http:
+        task = asyncio.create_task(http.post(f"{replica.url}/v1/chat/completions",
+                                             json=chat_body(aid, max_tokens=1500, ignore_eos=True)))
+        # events, not time: the client leaves once the replica has the request (waiting for its
+        # adapter, or in the engine); either way it must be counted cancelled (issue 26: a 499 was
+        # logged with the counter unchanged when the client left during the adapter wait)
+        assert await wait_until(lambda: h._waiting_for_adapter > 0 or replica.engine.stats().running > 0, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
     assert await wait_until(lambda: cancelled() >= before + 1, 10)
     assert await wait_until(lambda: replica.engine.stats().running == 0 and replica.cache.refcount(aid) == 0, 10)
 
