@@ -636,3 +636,60 @@ def test_compiled_decode_steps_give_the_same_tokens(dev_model, canaries, canary_
         assert (e.runner.compiled_steps >= 5) == compiled  # the decode steps (the first token is prefill's)
     assert out[True] == out[False]
     assert all(len(t) == 6 for t in out[True].values())
+
+
+def test_batch_invariant_mode_canaries_alone_equal_in_a_batch_bitwise(dev_model):
+    """`Engine(batch_invariant=True)` (replica --batch-invariant): 16 canaries and 16 other adapters
+    (perturbed copies) on scattered slots, prompts of 20 to 200 tokens (prefills cut in fixed
+    chunks), base rows beside them: each request's tokens and their logprobs are bitwise the same
+    alone and in the batch of 31 others, and each canary says its marker. (Default mode promises
+    the same tokens only: tests above.)"""
+    from tests.conftest import CANARY_DIR, make_canaries
+
+    index = make_canaries(dev_model, 16)
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=48, rank_pools={32: 64},
+               max_prefill_tokens=128, batch_invariant=True)
+    names = sorted(index)
+    g = torch.Generator().manual_seed(7)
+    others = {}
+    for i, name in enumerate(names):
+        ad = read_peft_adapter(CANARY_DIR / name)
+        others[f"x{i}"] = ({k: v * (1 + 0.2 * torch.randn(v.shape, generator=g)) for k, v in ad.weights.items()}, ad)
+    order = names + list(others) + [f"filler{i}" for i in range(31)]
+    random.Random(3).shuffle(order)
+    c0 = read_peft_adapter(CANARY_DIR / "c0000")
+    for name in order:
+        if name in index:
+            mount_all(e, CANARY_DIR, index, [name])
+        elif name in others:
+            w, ad = others[name]
+            e.mount_adapter(name, w, rank=ad.rank, alpha=ad.alpha, target_modules=ad.target_modules)
+        else:
+            e.mount_adapter(name, c0.weights, rank=c0.rank, alpha=c0.alpha, target_modules=c0.target_modules)
+    for i in range(31):
+        e.unmount_adapter(f"filler{i}")
+    rng = random.Random(1)
+    prompts = [chat_ids(e.tokenizer, p) for p in random_prompts(seed=11, count=200)]  # not the 32-canary engine's
+
+    def prompt(i):
+        p = prompts[i]
+        while len(p) < rng.choice([20, 60, 200]):
+            p = p + prompts[rng.randrange(len(prompts))][1:]
+        return p
+
+    adapters = names + list(others)
+    jobs = [(f"s{i}", prompt(i), adapters[i]) for i in range(32)] + [(f"t{i}", prompt(100 + i), None) for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0)
+    alone = Collector()
+    for rid, ids, ad in jobs:
+        e.add_request(rid, ids, params, ad, alone)
+        drain(e)
+    order = list(jobs)
+    rng.shuffle(order)
+    together = run_staggered(e, order, params)
+
+    def seen(col, rid):
+        return [(ev.token_id, ev.logprobs[0]) for ev in col.events[rid] if ev.token_id is not None]
+
+    assert [rid for rid, _, _ in jobs if seen(together, rid) != seen(alone, rid)] == []
+    assert [rid for rid, _, ad in jobs if ad in index and alone.text(rid) != index[ad]["marker"]] == []
