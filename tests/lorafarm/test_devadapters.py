@@ -51,15 +51,29 @@ def test_every_canary_emits_its_marker_through_peft_generate(dev_model, canaries
     assert "<<c" not in tok.decode(out[0, ids.shape[1] :])
 
 
-def test_cached_by_content_key(dev_model, canaries, tmp_path):
+def test_cached_by_content_key(dev_model, tmp_path, monkeypatch):
     # a copy of the cache with one canary removed retrains only that one
     import shutil
 
+    from lorafarm.dev import adapters
+    from tests.conftest import CANARY_DIR, make_canaries
+
+    make_canaries(dev_model, 2)  # the shared cache's c0000 and c0001; nothing is trained here
+    canaries = CANARY_DIR
     out = tmp_path / "c"
-    shutil.copytree(canaries, out)
+    shutil.copytree(canaries, out, ignore=lambda d, names: [n for n in names if n.startswith("c0") and n > "c0001"])
     shutil.rmtree(out / "c0001")
     before = (out / "c0000" / "adapter_model.safetensors").stat().st_mtime_ns
+    trained = []
+
+    def train(base_model, tokenizer, spec, folder, **kw):  # the session's canary, not a second training
+        trained.append(spec.index)
+        shutil.copytree(canaries / f"c{spec.index:04d}", folder)
+        (folder / "cache_key").unlink()
+
+    monkeypatch.setattr(adapters, "train_canary", train)
     assert main(["devadapters", "--base", str(dev_model), "--out", str(out), "--count", "2"]) == 0
+    assert trained == [1]
     assert (out / "c0000" / "adapter_model.safetensors").stat().st_mtime_ns == before
     assert (out / "c0001" / "adapter_model.safetensors").exists()
     assert sorted(json.loads((out / "markers.json").read_text())) == ["c0000", "c0001"]
