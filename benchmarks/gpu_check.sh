@@ -111,7 +111,7 @@ from handler.engine import Engine, SamplingParams
 
 ok = True
 for dtype, shape in ((torch.float32, (4, 2, 32)), (torch.bfloat16, (32, 32, 128)), (torch.bfloat16, (32, 8, 128))):
-    p = paged_attention.probe("cuda", dtype, *shape, 16, windows=(None, 4096), rows=32)
+    p = paged_attention.measure("cuda", dtype, *shape, 16, windows=(None, 4096), rows=32)  # checked and timed
     ok &= p.ok
     print(f"  {'PASS' if p.ok else 'FAIL'} paged kernel {dtype} heads/kv/D {shape}: {p.reason}; "
           f"paged {p.paged_ms:.3f} ms vs gathered {p.gathered_ms:.3f} ms at 32 rows")

@@ -165,7 +165,7 @@ def _runs(seg_slots: list[int]) -> tuple:
 
 @dataclass(frozen=True)
 class KernelCosts:
-    """Per-device constants of the kernel-choice estimate, measured once per (device, dtype):
+    """Per-device constants of the kernel-choice estimate, fixed per (device type, dtype) (`FIXED_COSTS`):
 
         time = calls x call_s + weight bytes / read_bps + copied bytes / copy_bps + MACs / macs_per_s
     """
