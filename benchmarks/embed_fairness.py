@@ -72,7 +72,7 @@ def main() -> int:
                                  "--host", "127.0.0.1", "--port", str(port), "--base", str(folder),
                                  "--model-name", "enc"], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 600  # a loaded box starts it slowly
             while True:
                 try:
                     if httpx.get(url + "/health", timeout=2).status_code == 200:

@@ -165,16 +165,8 @@ class EmbedService:
 
     async def embeddings(self, raw: bytes, tenant: str | None = None) -> bytes:
         """The JSON answer's bytes (built off the event loop)."""
-        import json
-
-        try:
-            body = json.loads(raw) if raw else None
-        except (ValueError, RecursionError):
-            raise oai.bad_request("The request body is not valid JSON.") from None
-        try:
-            req = parse_embeddings(body)
-        except EmbeddingsRequestError as e:
-            raise oai.bad_request(e.message, param=e.param, code=e.code) from None
+        # a big body (2,048 inputs are a megabyte) is parsed and checked in a worker thread
+        req = await asyncio.to_thread(_parse, raw) if len(raw) > _INLINE_BODY_BYTES else _parse(raw)
         if req.model != self.model_name:
             raise oai.model_not_found(req.model)
         enc = self.encoder
@@ -193,6 +185,23 @@ class EmbedService:
         return await asyncio.to_thread(_answer, emb, req.encoding_format, self.model_name, tokens)
 
 
+_INLINE_BODY_BYTES = 16 * 1024
+_ANSWER_SLICE = 32  # vectors per json.dumps call: the GIL is free between calls, not during one
+
+
+def _parse(raw: bytes):
+    import json
+
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        raise oai.bad_request("The request body is not valid JSON.") from None
+    try:
+        return parse_embeddings(body)
+    except EmbeddingsRequestError as e:
+        raise oai.bad_request(e.message, param=e.param, code=e.code) from None
+
+
 def _token_ids(enc: Encoder, texts, token_ids) -> list[list[int]]:
     ids = enc.tokenize(texts) if texts is not None else token_ids
     enc.check_ids(ids)
@@ -200,14 +209,23 @@ def _token_ids(enc: Encoder, texts, token_ids) -> list[list[int]]:
 
 
 def _answer(emb, encoding_format: str, model: str, tokens: int) -> bytes:
+    """The answer's JSON, encoded a slice of vectors at a time: one json.dumps of 2,048 vectors holds
+    the GIL for its whole run (the event loop, in another thread, would stall that long)."""
     import json
 
-    if encoding_format == "base64":
-        data = [{"object": "embedding", "index": i, "embedding": base64_float32(v)} for i, v in enumerate(emb)]
-    else:
-        data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(emb)]
-    return json.dumps({"object": "list", "data": data, "model": model,
-                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, separators=(",", ":")).encode()
+    parts = []
+    for start in range(0, len(emb), _ANSWER_SLICE):
+        rows = emb[start:start + _ANSWER_SLICE]
+        if encoding_format == "base64":
+            data = [{"object": "embedding", "index": start + i, "embedding": base64_float32(v)}
+                    for i, v in enumerate(rows)]
+        else:
+            data = [{"object": "embedding", "index": start + i, "embedding": v}
+                    for i, v in enumerate(rows.tolist())]
+        parts.append(json.dumps(data, separators=(",", ":"))[1:-1])
+    tail = json.dumps({"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                      separators=(",", ":"))[1:]
+    return ('{"object":"list","data":[' + ",".join(parts) + "]," + tail).encode()
 
 
 def _svc(request: Request) -> EmbedService:

@@ -170,7 +170,8 @@ def test_embeddings_unknown_field_is_400_as_on_chat(mixed):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     assert r.json()["error"]["code"] == "unsupported_parameter"
     # the worker itself refuses it the same way (straight to its port, with the admin token)
-    r = httpx.post(mixed["embedding_url"] + "/v1/embeddings",
+    worker_url = next(r["url"] for r in mixed["replicas"] if r.get("task") == "embed")
+    r = httpx.post(worker_url + "/v1/embeddings",
                    headers={"Authorization": f"Bearer {mixed['admin_token']}"},
                    json={"model": EMBEDDING_MODEL_NAME, "input": "x", "temperature": 0.2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
