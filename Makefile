@@ -10,6 +10,43 @@ PYTEST_ARGS ?=
 
 .PHONY: test-under-load serve test bench bench-docs loadtest loadtest-docs scale isolation soak install dev clean
 
+# -- the image and the compose farm (deploy/README.md). None of these run under `make test`. -----------
+# `make image`: deploy/Dockerfile via deploy/build_image.sh. BASE unset: python:3.11-slim when it can be
+# pulled, else (no registry reachable) the local Debian base lorafarm-base:bookworm, built first with
+# mmdebstrap. The host's pip configuration and CA bundle go to the build as BuildKit secrets.
+IMAGE_VARIANT ?= cpu
+LORAFARM_IMAGE ?= lorafarm:0.1.0-$(IMAGE_VARIANT)
+COMPOSE ?= docker-compose
+COMPOSE_PROJECT ?= lorafarm
+DC := $(COMPOSE) -p $(COMPOSE_PROJECT) -f deploy/compose.yaml
+.PHONY: image image-base compose-images compose-up compose-down compose-smoke
+
+image:
+	VARIANT=$(IMAGE_VARIANT) IMAGE=$(LORAFARM_IMAGE) deploy/build_image.sh app
+
+# only the local Debian base (mmdebstrap | docker import), for hosts without a registry
+image-base:
+	deploy/build_image.sh base
+
+compose-images:
+	deploy/build_image.sh services
+
+# builds the helper images if missing, writes deploy/compose.env (random secrets) if missing, starts
+# the farm and waits until every container is healthy
+compose-up:
+	@docker image inspect $(LORAFARM_IMAGE) >/dev/null 2>&1 || $(MAKE) image
+	@for i in postgres s3 prometheus; do docker image inspect lorafarm-$$i:0.1.0 >/dev/null 2>&1 || exit 1; done \
+		|| deploy/build_image.sh services
+	deploy/compose_env.sh
+	LORAFARM_IMAGE=$(LORAFARM_IMAGE) $(DC) up -d
+	COMPOSE="$(COMPOSE)" COMPOSE_PROJECT=$(COMPOSE_PROJECT) deploy/compose_wait.sh
+
+compose-down:
+	$(DC) --profile tools down -v --remove-orphans
+
+compose-smoke:
+	COMPOSE="$(COMPOSE)" COMPOSE_PROJECT=$(COMPOSE_PROJECT) deploy/compose_smoke.sh
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
