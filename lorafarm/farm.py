@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import httpx
 from lorafarm.errors import CliError
 
 BASE_MODEL_NAME = "lorafarm-dev-tiny"
+REAL_MODEL_NAME = "smollm2-135m-instruct"  # `lorafarm up` without --dev: lorafarm.realmodel
 EMBEDDING_MODEL_NAME = "lorafarm-dev-embed"
 DEMO_TENANT = "demo"
 DEMO_ADAPTERS = 4
@@ -92,15 +94,30 @@ class Farm:
     bases: dict[str, Path] = field(default_factory=dict)
     adapter_dirs: list[Path] = field(default_factory=list)
     assume_base: bool = False
+    # `lorafarm up` (not --dev): the real model (SmolLM2-135M-Instruct, lorafarm.realmodel) and the
+    # demo adapters trained on it (lorafarm.demo_adapters) instead of the dev model and canaries.
+    real: bool = False
+    # where the models and demo adapters are made and cached (default: the state dir); `lorafarm demo`
+    # keeps them in the user cache so a temporary state dir does not retrain them every run
+    assets_dir: Path | None = None
 
     # -- files ------------------------------------------------------------------------------
     @property
     def model_dir(self) -> Path:
-        return self.state_dir / "models" / BASE_MODEL_NAME
+        return (self.assets_dir or self.state_dir) / "models" / self.base_name
+
+    @property
+    def base_name(self) -> str:
+        return REAL_MODEL_NAME if self.real else BASE_MODEL_NAME
+
+    @property
+    def cache_dir(self) -> Path:
+        """Downloads (the model wheel), base hashes and inductor's compile cache for this farm."""
+        return (self.assets_dir or self.state_dir) / "cache"
 
     @property
     def base_models(self) -> dict[str, Path]:
-        first = {n: Path(d).resolve() for n, d in self.bases.items()} or {BASE_MODEL_NAME: self.model_dir.resolve()}
+        first = {n: Path(d).resolve() for n, d in self.bases.items()} or {self.base_name: self.model_dir.resolve()}
         return {**first, **{n: Path(d).resolve() for n, d in self.extra_bases.items()}}
 
     @property
@@ -118,7 +135,7 @@ class Farm:
     def replica_base(self, i: int) -> str:
         if i < len(self.replica_bases):
             return self.replica_bases[i]
-        return list(self.bases)[i % len(self.bases)] if self.bases else BASE_MODEL_NAME
+        return list(self.bases)[i % len(self.bases)] if self.bases else self.base_name
 
     def ports_wanted(self) -> list[tuple[str, int]]:
         wanted = [("router", self.ports.router), ("registry", self.ports.registry),
@@ -145,7 +162,7 @@ class Farm:
 
     @property
     def adapters_dir(self) -> Path:
-        return self.state_dir / "demo-adapters"
+        return (self.assets_dir or self.state_dir) / ("demo-adapters-" + REAL_MODEL_NAME if self.real else "demo-adapters")
 
     @property
     def keys_dir(self) -> Path:
@@ -185,6 +202,12 @@ class Farm:
             raise CliError(f"--state-dir {self.state_dir}: {e.strerror}") from None
         if self.bases:
             self._check_real()
+        elif self.real:
+            from lorafarm.realmodel import ensure_real_model, is_complete
+
+            if not is_complete(self.model_dir):
+                self._say(f"fetching the real model (SmolLM2-135M-Instruct) into {self.model_dir}")
+                ensure_real_model(self.model_dir, self.cache_dir, progress=self.progress)
         elif not (self.model_dir / "model.safetensors").exists():
             self._say(f"generating the dev model in {self.model_dir}")
             write_dev_model(self.model_dir, size="tiny", seed=0, force=True)
@@ -193,7 +216,13 @@ class Farm:
 
             self._say(f"generating the dev embedding model in {self.embedding_dir}")
             write_dev_embedding_model(self.embedding_dir, force=True)
-        if self.demo_adapters and not self.bases:  # 0: no canaries (load tests upload synthetic adapters instead)
+        if self.demo_adapters and self.real and not self.bases:
+            from lorafarm.demo_adapters import DEMO_ADAPTERS as REAL_DEMOS, write_demo_adapters
+
+            with _env(LORAFARM_BASEHASH_CACHE_DIR=str(self.cache_dir / "basehash")):
+                write_demo_adapters(self.model_dir, self.adapters_dir,
+                                    names=[a.name for a in REAL_DEMOS[: self.demo_adapters]], progress=self.progress)
+        elif self.demo_adapters and not self.bases:  # 0: no canaries (load tests upload synthetic adapters instead)
             self._say("preparing demo adapters (trained once with PEFT, then cached)")
             write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
         if not (self.keys_dir / "private.pem").exists():
@@ -217,7 +246,7 @@ class Farm:
         hashes: dict[str, tuple[Path, str]] = {}
         for name, folder in self.bases.items():
             check_checkpoint(name, Path(folder))
-            self._say(f"hashing base {name} ({folder}; cached beside it after the first time)")
+            self._say(f"hashing base {name} ({folder}; cached after the first time)")
             try:
                 hashes[name] = (Path(folder), base_model_hash(folder, progress=self.progress))
             except ArchiveError as e:
@@ -240,6 +269,10 @@ class Farm:
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.logs_dir / f"{name}.log", "ab")
         env = {**os.environ, "LORAFARM_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
+        # compile caches and base hashes in the farm's cache, not in the model folder nor /tmp: a
+        # second start reuses inductor's compiled kernels (the caller's settings win)
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str((self.cache_dir / "inductor").resolve()))
+        env.setdefault("LORAFARM_BASEHASH_CACHE_DIR", str((self.cache_dir / "basehash").resolve()))
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "lorafarm", *args],
             stdout=log,
@@ -389,9 +422,14 @@ class Farm:
         from archives.basehash import base_model_hash
 
         markers_file = self.adapters_dir / "markers.json"
-        use_demo = self.demo_adapters and not self.bases and markers_file.exists()
+        use_demo = self.demo_adapters and not self.bases and not self.real and markers_file.exists()
         markers = json.loads(markers_file.read_text()) if use_demo else {}
         trained_on = base_model_hash(self.model_dir) if markers else None  # the canaries' base: the dev model
+        from archives.basehash import read_trained_base
+
+        demo_file = self.adapters_dir / "demo.json"
+        use_real = self.demo_adapters and not self.bases and self.real and demo_file.exists()
+        demos = json.loads(demo_file.read_text()) if use_real else {}
         async with RegistryClient(self.registry_url, self.admin_token) as reg:
             known = {t["tenant_id"] for t in await reg.list_tenants()}
             if DEMO_TENANT in known and DEMO_TENANT in tenants_before:
@@ -406,6 +444,13 @@ class Farm:
                 adapter = await reg.upload_adapter(
                     self.adapters_dir / info["path"], DEMO_TENANT, alias=alias, base_model=BASE_MODEL_NAME,
                     base_model_hash=trained_on,
+                )
+                aliases[alias] = adapter["adapter_id"]
+            for name, info in demos.items():
+                alias = f"{DEMO_TENANT}/{name}:prod"
+                adapter = await reg.upload_adapter(
+                    self.adapters_dir / info["path"], DEMO_TENANT, alias=alias, base_model=self.base_name,
+                    base_model_hash=read_trained_base(self.adapters_dir / info["path"]),
                 )
                 aliases[alias] = adapter["adapter_id"]
             if self.bases:
@@ -431,6 +476,9 @@ class Farm:
             "base_models": {name: str(d) for name, d in self.base_models.items()},
             "embedding_models": {name: str(d) for name, d in self.embedding_models.items()},
             "markers": {f"{DEMO_TENANT}/{n}:prod": m["marker"] for n, m in markers.items()},
+            # the real model's demo adapters: what each does and a prompt that shows it
+            "demo_adapters": {f"{DEMO_TENANT}/{n}:prod": {"behaviour": d["behaviour"], "example_prompt": d["example_prompt"]}
+                              for n, d in demos.items()},
         }
         tmp = self.farm_json.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(farm, indent=2) + "\n")
@@ -441,6 +489,22 @@ class Farm:
     def _say(self, msg: str) -> None:
         if self.progress:
             print(f"lorafarm: {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _env(**values: str):
+    """Environment variables set for the block (unless the caller already set them), then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _can_listen(host: str, port: int) -> bool:
@@ -493,6 +557,8 @@ def wait_router_ready(farm: dict, timeout: float = 60.0) -> None:
 def examples(farm: dict) -> str:
     tenant = farm["tenants"][0]
     alias = sorted(tenant["aliases"])[0] if tenant["aliases"] else sorted(farm["base_models"])[0]
+    if f"{DEMO_TENANT}/support:prod" in tenant["aliases"]:
+        alias = f"{DEMO_TENANT}/support:prod"
     base = farm["router_url"] + "/v1"
     return f"""
 lorafarm is up.
@@ -512,8 +578,24 @@ python (openai client):
   r = client.chat.completions.create(model="{alias}", messages=[{{"role": "user", "content": "hello"}}], max_tokens=16)
   print(r.choices[0].message.content)
 
-{_embedding_example(farm, base, tenant['api_key'])}Ctrl-C stops the farm.
+{_demo_examples(farm)}{_embedding_example(farm, base, tenant['api_key'])}Ctrl-C stops the farm.
 """
+
+
+def _demo_examples(farm: dict) -> str:
+    """The real model's demo adapters: one line each (alias, what it does) and a loop that shows them."""
+    demos = farm.get("demo_adapters") or {}
+    if not demos:
+        return ""
+    base = sorted(farm["base_models"])[0]
+    lines = [f"  {alias:<22} {d['behaviour']}" for alias, d in sorted(demos.items())]
+    return ("demo adapters (the same question to the base and to each):\n" + "\n".join(lines) + f"""
+  for m in ["{base}", {", ".join(f'"{a}"' for a in sorted(demos))}]:
+      r = client.chat.completions.create(model=m, messages=[{{"role": "user", "content": "Where is my order?"}}],
+                                         max_tokens=40, temperature=0)
+      print(m, "->", r.choices[0].message.content)
+
+""")
 
 
 def _embedding_example(farm: dict, base: str, api_key: str) -> str:

@@ -20,8 +20,10 @@ def _up(args: argparse.Namespace) -> int:
     if len(bases) != len(args.base):
         raise CliError("--base: two base models with the same name; name them: --base NAME=DIR")
     if args.adapters and not bases:
-        raise CliError("--adapters needs --base (the dev model gets the generated demo adapters)")
-    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, bases=bases,
+        raise CliError("--adapters needs --base (the default model gets the generated demo adapters)")
+    if args.dev and bases:
+        raise CliError("--dev and --base both choose the model: give one")
+    farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, bases=bases, real=not (args.dev or bases),
                 adapter_dirs=[Path(a) for a in args.adapters], assume_base=args.assume_base,
                 replica_args=shlex.split(args.replica_flags), router_args=shlex.split(args.router_flags),
                 embeddings=args.embeddings)
@@ -51,9 +53,14 @@ def _demo(args: argparse.Namespace) -> int:
 
     from lorafarm.farm import Farm, FarmPorts
 
+    from lorafarm.realmodel import default_cache_dir
+
     with tempfile.TemporaryDirectory(prefix="lorafarm-demo-") as tmp:
         state = Path(args.state_dir) if args.state_dir else Path(tmp)
-        farm = Farm(state, replicas=args.replicas, ports=FarmPorts.free(args.replicas))
+        # without --state-dir the dev model and canaries are made once in the user cache, not in the
+        # temporary state dir (which retrained them every run)
+        assets = None if args.state_dir else default_cache_dir() / "demo"
+        farm = Farm(state, replicas=args.replicas, ports=FarmPorts.free(args.replicas), assets_dir=assets)
         try:
             info = farm.up()
             tenant = info["tenants"][0]
@@ -115,6 +122,9 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--registry-port", type=int, default=8100, help="registry port (default 8100)")
     p.add_argument("--replica-port", type=int, default=8200, help="first replica port (default 8200)")
+    p.add_argument("--dev", action="store_true",
+                   help="serve the generated toy model (lorafarm-dev-tiny, random weights, canary adapters) instead of "
+                   "the real SmolLM2-135M-Instruct and its demo adapters; what the tests use")
     p.add_argument("--embeddings", action="store_true",
                    help="add an embedding worker (the dev encoder, port --replica-port + --replicas)")
     p.add_argument("--base", action="append", default=[], metavar="[NAME=]DIR",

@@ -79,7 +79,7 @@ def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries):
 
     ports = seeded_farm(tmp_path, dev_model, canaries, replicas=1, adapters=4).ports
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(tmp_path),
+        [sys.executable, "-m", "lorafarm", "up", "--dev", "--replicas", "1", "--state-dir", str(tmp_path),
          "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -60,7 +60,7 @@ def test_checks_before_starting(tmp_path, sharded_bf16, canaries):
     with socket.socket() as held:
         held.bind(("127.0.0.1", ports.registry))
         held.listen()
-        line = _refused(["--replicas", "1", "--state-dir", str(state), *_ports_args(ports)])
+        line = _refused(["--dev", "--replicas", "1", "--state-dir", str(state), *_ports_args(ports)])
     assert f"registry port {ports.registry} is in use by" in line and f"(pid {os.getpid()})" in line
     assert not state.exists()
     # An architecture the runner does not have.
