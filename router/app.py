@@ -33,7 +33,15 @@ from router.auth import AuthCache, AuthUnavailable, InvalidApiKey, Tenant
 from router.catalog import Catalog, ModelNotFound, Resolved
 from router.config import RouterSettings
 from router.metrics import RouterMetrics
-from router.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, UPSTREAM_PATH, ApiError, ParsedRequest, parse_request
+from router.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    UPSTREAM_PATH,
+    ApiError,
+    ParsedRequest,
+    parse_request_off_loop,
+)
 from router.poison import PoisonGuard, fingerprint
 from router.proxy import Failed, Opened, Proxy, UsageScanner, make_http_client
 from router.ratelimit import make_limiter
@@ -397,7 +405,7 @@ class RouterCore:
     async def _completion(self, request: Request, endpoint: str, request_id: str) -> Response:
         arrived = time.perf_counter()
         tenant = await self.authenticate(request)
-        parsed = parse_request(endpoint, await request.body(), self.settings.default_max_tokens)
+        parsed = await parse_request_off_loop(endpoint, await request.body(), self.settings.default_max_tokens)
         deadline = self._deadline(request, parsed.stream)
         limit = self.limiter.check(
             tenant.tenant_id,

@@ -202,3 +202,30 @@ async def test_registry_down_a_cached_key_works_at_most_ttl_plus_grace():
     clock.t += 2.0  # 61 s after the last verification: refused (503), never served on a stale answer
     with pytest.raises(AuthUnavailable):
         await cache.tenant_for("sk-1")
+
+
+async def test_a_big_body_is_parsed_off_the_event_loop_with_the_same_answers():
+    import threading
+
+    from router import openai_api
+
+    body = json.dumps({"model": "e", "input": [[1] * 120] * 2048}).encode()
+    assert len(body) > openai_api.INLINE_PARSE_BYTES
+    seen = []
+    real = openai_api.parse_request
+
+    def spy(*a):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return real(*a)
+
+    openai_api.parse_request = spy
+    try:
+        big = await openai_api.parse_request_off_loop(EMBEDDINGS, body, 16)
+        small = await openai_api.parse_request_off_loop(CHAT, _chat(), 16)
+        with pytest.raises(ApiError) as e:
+            await openai_api.parse_request_off_loop(EMBEDDINGS, body[:-1] + b', "x": 1}', 16)
+    finally:
+        openai_api.parse_request = real
+    assert seen == [False, True, False]  # big bodies in a worker thread, small ones inline
+    assert big.prompt_tokens == 2048 * 120 and small.model == "m"
+    assert e.value.status == 400 and e.value.param == "x"
