@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from lorafarm.errors import CliError
 
@@ -66,6 +67,26 @@ def pools_from_budget(base_dir, budget_bytes: int, rank_mix: dict[int, float] | 
     return pools
 
 
+def auto_sizing(base_dir, dtype: str, device: str | None, args: argparse.Namespace):
+    """KV budget and rank pools from the model's config and the machine's memory (handler/sizing.py)."""
+    import json
+    from pathlib import Path
+
+    from handler.sizing import size_replica
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = json.loads((Path(base_dir) / "config.json").read_text())
+    try:
+        return size_replica(cfg, dtype_bytes=4 if dtype == "float32" else 2, device=device,
+                            max_batch=args.max_batch, rank_limit=args.rank_limit)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CliError(f"--base {base_dir}: cannot size the replica from config.json ({e}); pass --kv-cache-bytes "
+                       "and --slots") from None
+
+
 def _env(name: str, default=None):
     return os.environ.get(name) or default
 
@@ -96,7 +117,8 @@ def register(sub) -> None:
                    help="trusted archive signing key (repeatable; default $LORAFARM_TRUST, ':'-separated)")
     p.add_argument("--adapter-catalog", default=None,
                    help="standalone only: JSON {adapter_id: weights_uri} of archives in --store-url")
-    p.add_argument("--slots", type=int, default=8, help="device slots per rank pool (default 8)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="device slots per rank pool (default: sized from the model and the machine, handler/sizing.py)")
     p.add_argument("--rank-pools", type=parse_pools, default=None, metavar="R:S,...",
                    help="explicit rank pools, e.g. 8:16,16:8,32:4 (overrides --slots)")
     p.add_argument("--lora-memory-bytes", type=parse_size, default=None, metavar="SIZE",
@@ -108,7 +130,9 @@ def register(sub) -> None:
     p.add_argument("--ram-bytes", type=parse_size, default=4 * 1024**3, help="host RAM tier budget (default 4GiB)")
     p.add_argument("--disk-bytes", type=parse_size, default=32 * 1024**3, help="disk tier budget (default 32GiB)")
     p.add_argument("--disk-dir", default=None, help="disk tier folder (default var/replicas/<id>)")
-    p.add_argument("--kv-cache-bytes", type=parse_size, default=None, help="KV cache budget (default: engine's)")
+    p.add_argument("--kv-cache-bytes", type=parse_size, default=None,
+                   help="KV cache budget (default: sized from the model's dims and the machine's memory, "
+                        "handler/sizing.py)")
     p.add_argument("--rank-limit", type=int, default=64, help="largest adapter rank accepted (default 64)")
     p.add_argument("--merged-adapter", default=None, metavar="ADAPTER_ID",
                    help="merged mode: fold this adapter into the base and serve only it")
@@ -169,7 +193,7 @@ def build_config(args: argparse.Namespace):
         raise CliError("--adapter-catalog needs --store-url (its URIs point into the store)")
     if (args.registry or args.adapter_catalog or args.merged_adapter) and not trust:
         raise CliError("no trusted public key: pass --trust public.pem (or set LORAFARM_TRUST)")
-    if args.slots < 0 or args.rank_limit < 1:
+    if (args.slots is not None and args.slots < 0) or args.rank_limit < 1:
         raise CliError("--slots must be >= 0 and --rank-limit >= 1")
     device = args.device
     dtype = args.dtype
@@ -186,15 +210,25 @@ def build_config(args: argparse.Namespace):
                                        dtype=dtype)
     elif args.rank_mix:
         raise CliError("--rank-mix needs --lora-memory-bytes")
+    slots, kv_cache_bytes = args.slots, args.kv_cache_bytes
+    if (rank_pools is None and slots is None) or kv_cache_bytes is None:
+        sizing = auto_sizing(base, dtype, device, args)
+        print(f"lorafarm replica: sized from the model and the machine: {sizing.describe()}", file=sys.stderr)
+        if kv_cache_bytes is None:
+            kv_cache_bytes = sizing.kv_cache_bytes
+        if rank_pools is None and slots is None:
+            rank_pools = {r: s for r, s in sizing.rank_pools.items() if r <= args.rank_limit}
+    if slots is None:
+        slots = max(rank_pools.values()) if rank_pools else 8
     limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, rank_limit=args.rank_limit,
                     max_batch=args.max_batch)
     return ReplicaConfig(
         base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host, port=args.port,
         advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,
         store_url=args.store_url, s3_endpoint_url=args.s3_endpoint_url, trust=[Path(t) for t in trust],
-        adapter_catalog=Path(args.adapter_catalog) if args.adapter_catalog else None, slots=args.slots,
+        adapter_catalog=Path(args.adapter_catalog) if args.adapter_catalog else None, slots=slots,
         rank_pools=rank_pools, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
-        disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=args.kv_cache_bytes,
+        disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=kv_cache_bytes,
         device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
         shutdown_grace_s=args.shutdown_grace_s,
         max_queued_tokens=getattr(args, "max_queued_tokens", 65536),
@@ -229,6 +263,10 @@ def _replica(args: argparse.Namespace) -> int:
         return 0
     from handler.app import run
 
+    # inductor's compiled kernels kept across runs (`lorafarm up` points it into its state dir)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        os.environ.get("LORAFARM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "lorafarm"),
+        "inductor"))
     config = build_config(args)
     run(config, log_level=args.log_level)
     return 0
