@@ -397,7 +397,7 @@ async def _complete(request: Request, kind: str) -> Response | Stream:
     svc = _service(request)
     h = svc.handler
     raw = await request.body()
-    greq = await h.preprocess(kind, raw)
+    greq = await h.preprocess(kind, raw, request.headers.get("x-lorafarm-tenant") or None)
     echo = request.headers.get("x-lorafarm-model-name", "")
     if echo and len(echo) <= 256 and echo.isprintable():  # the router's requested name (an alias): echo it
         greq.model = echo

@@ -158,6 +158,14 @@ def register(sub) -> None:
                    help="seconds between SSE `: keep-alive` comments while a streamed request waits (adapter, "
                         "queue, prefill), so the router's read timeout measures silence (0: off; default 2)")
     p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
+    p.add_argument("--grammar-workers", type=int, default=2,
+                   help="worker processes that compile response_format/tools grammars (default 2)")
+    p.add_argument("--grammar-timeout-s", type=float, default=10.0,
+                   help="wall-time limit of one grammar compile; 400 invalid_schema above (default 10)")
+    p.add_argument("--grammar-memory-bytes", type=parse_size, default=1024**3,
+                   help="memory limit of one grammar compile (RLIMIT_DATA headroom of a worker; default 1GiB)")
+    p.add_argument("--grammar-cache-bytes", type=parse_size, default=256 * 1024**2,
+                   help="compiled grammars kept in the replica, bounded by bytes; a tenant gets 1/4 (default 256MiB)")
     p.add_argument("--load-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
                    help="CPU priority (nice) of adapter-load threads, so cold loads never slow the running "
                         "batch's decode (0: same priority)")
@@ -220,8 +228,12 @@ def build_config(args: argparse.Namespace):
             rank_pools = {r: s for r, s in sizing.rank_pools.items() if r <= args.rank_limit}
     if slots is None:
         slots = max(rank_pools.values()) if rank_pools else 8
+    if args.grammar_workers < 1 or args.grammar_timeout_s <= 0 or args.grammar_memory_bytes < 64 * 1024**2:
+        raise CliError("--grammar-workers must be >= 1, --grammar-timeout-s > 0, --grammar-memory-bytes >= 64MiB")
     limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, rank_limit=args.rank_limit,
-                    max_batch=args.max_batch)
+                    max_batch=args.max_batch, grammar_workers=args.grammar_workers,
+                    grammar_timeout_s=args.grammar_timeout_s, grammar_memory_bytes=args.grammar_memory_bytes,
+                    grammar_cache_bytes=args.grammar_cache_bytes)
     return ReplicaConfig(
         base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host, port=args.port,
         advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,

@@ -736,6 +736,10 @@ class Engine:
         r.out.append(tok)
         self._gen_total += 1
         p = r.params
+        if r.gen.matcher is not None and (gerr := r.gen.grammar_error()) is not None:
+            # a grammar that hit a parser limit: an error, never a "stop" with a broken document
+            self._finish(r, None, "error", events, error=f"grammar: {gerr}")
+            return
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             self._finish(r, tok, "stop", events)
             return

@@ -16,7 +16,10 @@ metrics and cache settings. The HTTP app (`handler.app`) drives the same steps a
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -48,6 +51,12 @@ class Limits:
     max_prefill_tokens: int = 512
     cancel_grace_s: float = 5.0  # after a cancel, how long to wait for the engine to let go
     load_timeout_s: float = 30.0  # the load endpoint answers 202 (still loading) after this
+    # untrusted grammar work (handler.grammar_pool): worker processes, per-compile limits, cache
+    grammar_workers: int = 2
+    grammar_timeout_s: float = 10.0
+    grammar_memory_bytes: int = 1024**3
+    grammar_cache_bytes: int = 256 * 1024**2  # compiled matchers in the replica; a tenant gets 1/4
+    prep_inline_bytes: int = 16 * 1024  # bodies above this are tokenized off the event loop
 
 
 @dataclass
@@ -94,7 +103,7 @@ class GenerationRequest:
     response_id: str = ""
     created: int = 0
     n: int = 1  # choices
-    grammar: str | None = None  # constrained decoding (response_format or tools), see handler.constrained
+    grammar: Any = None  # constrained decoding (response_format or tools): a constrained.CompiledGrammar
     tool_mode: str | None = None  # None, "auto", "required" or the named function
 
 
@@ -199,6 +208,13 @@ class Generation:
                 c = self.choices[i]
                 if getattr(ev, "error", None):
                     self._end_all("error")
+                    if str(ev.error).startswith("grammar: "):  # a parser limit mid-generation: no broken document
+                        self.h.grammar_failures += 1
+                        raise oai.OpenAIError(
+                            400, f"The {'tools' if self.greq.tool_mode else 'response_format'} grammar hit a "
+                            f"parser limit after {c.completion_tokens} tokens; the schema is too complex to be "
+                            f"enforced: {str(ev.error)[9:][:500]}", param="tools" if self.greq.tool_mode else
+                            "response_format", code="invalid_schema")
                     raise oai.OpenAIError(500, f"generation failed: {ev.error}", type="server_error",
                                           code="generation_error")
                 text = ev.text or ""
@@ -308,6 +324,13 @@ class LoraHandler:
         self._tasks: set[asyncio.Task] = set()
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}
+        self.grammar_pool = None  # handler.grammar_pool.GrammarPool (started in `start`)
+        self.grammar_builder = None
+        self.grammar_cache = None
+        self._grammar_inflight: dict[str, asyncio.Future] = {}
+        self._grammar_refused: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self.grammar_failures = 0  # parser limits hit mid-generation
+        self._prep = None  # the thread that tokenizes large prompts off the event loop
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -379,6 +402,30 @@ class LoraHandler:
             pin_memory=str(getattr(self.engine, "device", "cpu")).startswith("cuda"), load_nice=ctx.load_nice,
         )
         await self.cache.start()
+        await self._start_grammar()
+
+    async def _start_grammar(self) -> None:
+        """The grammar worker pool, the matcher-build thread, the byte-bounded cache, and the thread
+        that tokenizes large prompts (handler.grammar_pool)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from handler import constrained
+        from handler.grammar_pool import GrammarPool
+
+        lim = self.context.limits
+        vocab = int(self.engine.config.vocab_size)
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-prep")
+        self.grammar_cache = constrained.GrammarCache(lim.grammar_cache_bytes)
+        try:
+            spec = await asyncio.to_thread(constrained.tokenizer_spec, self.engine.tokenizer, vocab)
+        except Exception as e:  # not a fast tokenizer: constrained decoding is refused (400), the rest serves
+            log.warning("no constrained decoding on this replica: %s", e)
+            return
+        self.grammar_builder = constrained.GrammarBuilder(self.engine.tokenizer, vocab, nice=self.context.load_nice)
+        await asyncio.to_thread(self.grammar_builder.start)
+        self.grammar_pool = GrammarPool(spec, workers=lim.grammar_workers, timeout_s=lim.grammar_timeout_s,
+                                        memory_bytes=lim.grammar_memory_bytes)
+        await self.grammar_pool.start()
 
     async def shutdown(self) -> None:
         for gen in list(self._inflight.values()):
@@ -389,6 +436,12 @@ class LoraHandler:
             await asyncio.to_thread(self.engine.stop)
         if self.cache is not None:
             await self.cache.close()
+        if self.grammar_pool is not None:
+            await self.grammar_pool.close()
+        if self.grammar_builder is not None:
+            self.grammar_builder.close()
+        if self._prep is not None:
+            self._prep.shutdown(wait=False, cancel_futures=True)
 
     def _bg(self, coro_fn) -> None:
         """Run `coro_fn()` as a task on the serving loop (from any thread)."""
@@ -409,13 +462,25 @@ class LoraHandler:
 
     # -- TorchServe steps -------------------------------------------------------------------
 
-    async def preprocess(self, kind: str, body: bytes | dict | Any) -> GenerationRequest:
-        """Validate the body, resolve the model (404 when unknown), tokenize, check the limits."""
+    async def preprocess(self, kind: str, body: bytes | dict | Any, tenant: str | None = None) -> GenerationRequest:
+        """Validate the body, resolve the model (404 when unknown), tokenize, check the limits, and
+        compile the grammar (in a worker process: handler.grammar_pool). `tenant` (the router's
+        x-lorafarm-tenant; default the model) is whose share of the grammar cache it uses.
+        Nothing here that can take long runs on the event loop: a large body is tokenized (chat
+        template, tool prompt, tokenizer) on a thread; a grammar compiles in a worker process, and its
+        matcher is built on a thread that does not hold the GIL."""
         model_cls = oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest
-        req = body if isinstance(body, model_cls) else oai.parse_request(model_cls, body)
+        size = len(body) if isinstance(body, (bytes, bytearray, str)) else 0
+        if size > self.context.limits.prep_inline_bytes and self._prep is not None:
+            req = body if isinstance(body, model_cls) else await self._off_loop(oai.parse_request, model_cls, body)
+        else:
+            req = body if isinstance(body, model_cls) else oai.parse_request(model_cls, body)
         adapter_id = await self.resolve_model(req.model)
         tier = "gpu" if (adapter_id is None or self.context.merged_adapter) else self.cache.tier_of(adapter_id)
-        prompt_ids = self._tokenize(kind, req)
+        if size > self.context.limits.prep_inline_bytes and self._prep is not None:
+            prompt_ids = await self._off_loop(self._tokenize, kind, req)
+        else:
+            prompt_ids = self._tokenize(kind, req)
         max_ctx = int(self.engine.max_context)
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
@@ -441,35 +506,79 @@ class LoraHandler:
             kind=kind, body=req, model=req.model, adapter_id=adapter_id, prompt_ids=prompt_ids,
             max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
             tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now(), n=req.n,
-            grammar=self._grammar(kind, req), tool_mode=tool_mode)
+            grammar=await self._grammar(kind, req, tenant or req.model, big=size > self.context.limits.prep_inline_bytes),
+            tool_mode=tool_mode)
 
-    def _grammar(self, kind: str, req) -> str | None:
-        """The grammar that constrains the answer (json_object / json_schema / tool calls), checked
-        against this model's tokenizer; None for free text. 400 when it does not compile."""
-        from handler import constrained
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    async def _grammar(self, kind: str, req, tenant: str, big: bool = False):
+        """The compiled grammar that constrains the answer (json_object / json_schema / tool calls),
+        None for free text. Compiled and test-run in a worker process (handler.grammar_pool), its
+        matcher built off the loop, cached by bytes per tenant; identical concurrent requests share
+        one compile, and a refused grammar is remembered (a poison schema kills at most one worker).
+        400 invalid_schema when a limit is hit or it cannot be enforced; 429 when too many wait."""
+        from handler.grammar_pool import GrammarBusy, GrammarError
 
         if kind != "chat":
             return None
         if req.tool_mode is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools]
-            grammar = constrained.tools_grammar(tools, req.tool_mode, req.parallel_tool_calls is not False)
+            job = {"kind": "tools", "tools": [t.model_dump(exclude_none=True) for t in req.tools],
+                   "choice": req.tool_mode, "parallel": req.parallel_tool_calls is not False}
             param = "tools"
         elif req.response_format is not None and req.response_format.type == "json_object":
-            grammar, param = constrained.json_object_grammar(), "response_format"
+            job, param = {"kind": "json_object"}, "response_format"
         elif req.response_format is not None and req.response_format.type == "json_schema":
-            try:
-                grammar = constrained.json_schema_grammar(req.response_format.json_schema.schema_)
-            except ValueError as e:
-                raise oai.bad_request(f"Invalid response_format.json_schema: {e}", param="response_format",
-                                      code="invalid_value") from None
+            job = {"kind": "json_schema", "schema": req.response_format.json_schema.schema_}
             param = "response_format"
         else:
             return None
-        err = constrained.check_grammar(grammar, self.engine.tokenizer, int(self.engine.config.vocab_size))
-        if err is not None:
-            raise oai.bad_request(f"Invalid {param}: the JSON schema cannot be enforced: {err}", param=param,
-                                  code="invalid_value")
-        return grammar
+        if self.grammar_pool is None:
+            raise oai.bad_request(f"Invalid {param}: constrained decoding is not available for this model.",
+                                  param=param, code="invalid_schema")
+        # a large schema's canonical JSON and hash (and its encoding for the worker) off the loop
+        raw, key = (await self._off_loop(_job_key, job)) if big and self._prep is not None else _job_key(job)
+        refused = self._grammar_refused.get(key)
+        if refused is not None:
+            raise oai.bad_request(f"Invalid {param}: {refused[0]}", param=param, code="invalid_schema")
+        hit = self.grammar_cache.get(key)
+        if hit is not None:
+            return hit
+        fut = self._grammar_inflight.get(key)
+        if fut is None:
+            fut = self._grammar_inflight[key] = asyncio.ensure_future(self._compile_grammar(key, raw, tenant))
+            fut.add_done_callback(lambda f, k=key: self._grammar_inflight.pop(k, None))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            return await asyncio.shield(fut)
+        except GrammarError as e:
+            raise oai.bad_request(f"Invalid {param}: {e}", param=param, code="invalid_schema") from None
+        except GrammarBusy:
+            raise oai.OpenAIError(429, "Too many grammars are being compiled; retry shortly.",
+                                  type="rate_limit_error", code="grammar_queue_full",
+                                  headers={"Retry-After": "1"}) from None
+
+    async def _compile_grammar(self, key: str, job: bytes, tenant: str):
+        from handler.grammar_pool import GrammarError
+
+        try:
+            res = await self.grammar_pool.compile(job, tenant)
+            try:
+                compiled = await self.grammar_builder.build(res.grammar, res.cost)
+            except ValueError as e:  # the worker compiled it: should not happen
+                raise GrammarError(str(e)) from None
+        except GrammarError as e:
+            log.info("grammar refused (%s) for tenant %s: %s", e.limit, tenant, str(e)[:300])
+            if e.limit in ("invalid", "parser_limit", "crash", "memory"):  # deterministic (a timeout may be load)
+                self._grammar_refused[key] = (str(e)[:1000], e.limit)
+                while len(self._grammar_refused) > 4096:
+                    self._grammar_refused.popitem(last=False)
+            raise
+        evicted = self.grammar_cache.evictions
+        self.grammar_cache.put(key, tenant, compiled)
+        if self.grammar_cache.evictions != evicted:  # hand what the evicted matchers held back to the OS
+            await self.grammar_builder.trim()
+        return compiled
 
     async def resolve_model(self, model: str) -> str | None:
         """A base model name -> None; a known adapter id (in merged mode: only the merged one) ->
@@ -654,6 +763,12 @@ class LoraHandler:
         self.metrics.tokens_in_flight.set(st.tokens_in_flight)
         self.metrics.kv_cache_usage_perc.set(st.kv_cache_usage)
         self.metrics.decode_attention_paged.set(1 if st.attention == "paged" else 0)
+
+
+def _job_key(job: dict) -> tuple[bytes, str]:
+    """A grammar job's canonical JSON (what the worker gets) and its hash (the cache key)."""
+    raw = json.dumps(job, sort_keys=True, separators=(",", ":")).encode()
+    return raw, hashlib.sha256(raw).hexdigest()
 
 
 def load_error_to_openai(e: AdapterLoadError) -> oai.OpenAIError:

@@ -53,7 +53,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = field(default=())
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
-    grammar: str | None = None  # an llguidance grammar (handler.constrained); None: free text
+    # an llguidance grammar: a string (compiled in-process) or a handler.constrained.CompiledGrammar
+    # (compiled and test-run in a worker process: what the replica serves with); None: free text
+    grammar: Any = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -136,6 +138,14 @@ class RowState:
         self.output: list[int] | None = [] if params.counts_output else None
         self.prompt: list[int] | None = list(prompt) if params.repetition_penalty != 1.0 else None
         self.logprobs: tuple[float, list[tuple[int, float]]] | None = None
+
+    def grammar_error(self) -> str | None:
+        """The error of a matcher that hit a parser limit (or was fed a token it refused), else None:
+        the engine ends such a row with an error rather than let it finish with a broken document."""
+        m = self.matcher
+        if m is not None and m.is_error():
+            return m.get_error() or "grammar matcher error"
+        return None
 
     def accept(self, token: int, grammar: bool = True) -> None:
         """Advance past a sampled token: grammar state (unless the caller did) and output counts."""
