@@ -160,8 +160,9 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=parse_size, default=1024 * 1024, help="request body cap (default 1MiB)")
     p.add_argument("--grammar-workers", type=int, default=2,
                    help="worker processes that compile response_format/tools grammars (default 2)")
-    p.add_argument("--grammar-timeout-s", type=float, default=10.0,
-                   help="wall-time limit of one grammar compile; 400 invalid_schema above (default 10)")
+    p.add_argument("--grammar-timeout-s", type=float, default=4.0,
+                   help="wall-time limit of one grammar compile; 400 invalid_schema above (default 4; keep twice it "
+                        "below the router's --first-byte-timeout)")
     p.add_argument("--grammar-memory-bytes", type=parse_size, default=1024**3,
                    help="memory limit of one grammar compile (RLIMIT_DATA headroom of a worker; default 1GiB)")
     p.add_argument("--grammar-cache-bytes", type=parse_size, default=256 * 1024**2,

@@ -5,7 +5,7 @@ library: a `$defs` chain of 1,000 `$ref` links overflows its stack and kills the
 an object of 10,000 optional properties takes tens of seconds to compile, a large enum takes tens
 of MB. So the replica never compiles one in its own process or on its event loop:
 
-    pool = GrammarPool(constrained.tokenizer_spec(tokenizer, vocab), workers=2, timeout_s=10,
+    pool = GrammarPool(constrained.tokenizer_spec(tokenizer, vocab), workers=2, timeout_s=4,
                        memory_bytes=1 << 30)
     await pool.start()
     compiled = await pool.compile({"kind": "json_schema", "schema": {...}}, tenant="t1")
@@ -400,7 +400,7 @@ class _Worker:
 class GrammarPool:
     """A pool of grammar worker processes (see the module doc)."""
 
-    def __init__(self, tokenizer_spec: dict, *, workers: int = 2, timeout_s: float = 10.0,
+    def __init__(self, tokenizer_spec: dict, *, workers: int = 2, timeout_s: float = 4.0,
                  memory_bytes: int = 1024**3, max_waiting: int = 64, nice: int = 10,
                  probe_steps: int = PROBE_STEPS, start_timeout_s: float = 60.0):
         if workers < 1:

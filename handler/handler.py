@@ -53,7 +53,7 @@ class Limits:
     load_timeout_s: float = 30.0  # the load endpoint answers 202 (still loading) after this
     # untrusted grammar work (handler.grammar_pool): worker processes, per-compile limits, cache
     grammar_workers: int = 2
-    grammar_timeout_s: float = 10.0
+    grammar_timeout_s: float = 4.0  # x2 (worker compile + the replica's build) < the router's first-byte timeout
     grammar_memory_bytes: int = 1024**3
     grammar_cache_bytes: int = 256 * 1024**2  # compiled matchers in the replica; a tenant gets 1/4
     prep_inline_bytes: int = 16 * 1024  # bodies above this are tokenized off the event loop
