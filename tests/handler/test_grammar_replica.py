@@ -239,3 +239,39 @@ def test_distinct_large_schemas_keep_rss_bounded(replica):
     print(f"replica RSS {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB after 200 distinct schemas")
     assert growth < CACHE_BYTES + 64 * 1024**2, (before, after)
     assert_serving(replica)
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(replica):
+    """Fairness beyond grammars: a ~900 KB prompt (chat template + tokenizer: seconds of CPU) is
+    parsed, rendered and tokenized on a helper thread; another tenant's stream keeps its tokens
+    coming meanwhile. (The prompt is over the context: 400 once tokenized.)"""
+    busy, done = threading.Event(), threading.Event()
+    during: list[float] = []
+    result: dict = {}
+
+    def other_tenant():
+        body = {"model": "dev-tiny", "messages": [{"role": "user", "content": "tell me a story"}],
+                "max_tokens": 32, "temperature": 1.0, "ignore_eos": True, "stream": True}
+        while not done.is_set():
+            with httpx.stream("POST", f"{replica.url}/v1/chat/completions", json=body, timeout=120,
+                              headers={"x-lorafarm-tenant": "t-b"}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and busy.is_set() and not done.is_set():
+                        during.append(time.monotonic())
+
+    def big_prompt():
+        busy.set()
+        try:
+            result["r"] = replica.chat(tenant="t-a", messages=[{"role": "user", "content": "lorem ipsum " * 75000}])
+        finally:
+            done.set()
+
+    t = threading.Thread(target=other_tenant, daemon=True)
+    t.start()
+    a = threading.Thread(target=big_prompt, daemon=True)
+    a.start()
+    a.join(300)
+    t.join(120)
+    assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
+    assert len(during) >= 3, len(during)
+    assert_serving(replica)
