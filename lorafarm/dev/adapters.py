@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +28,17 @@ MODULE_SETS = {
     "mlp": ["gate_proj", "up_proj", "down_proj"],
 }
 RANKS = (8, 16, 32)
-RECIPE_VERSION = 1  # bump when the training recipe changes: invalidates cached canaries
+RECIPE_VERSION = 2  # bump when the training recipe changes: invalidates cached canaries
+
+# A canary is verified on these prompts when it is made: every one must answer exactly its marker
+# then EOS, each token ahead of the runner-up by MARGIN logits (teacher-forced, PEFT itself). The
+# seeds are the prompt sets the checks draw from (tests, `make isolation`, the production probe), so
+# a check can never meet a prompt on which the canary itself is unsure. Training alone is not
+# enough: it is deterministic on one CPU but not across CPUs (one canary trained on an AMD EPYC box
+# answered `<<c0011>>00>>` to one prompt of 64 in PEFT itself).
+CHECK_PROMPT_SEEDS = ((99, 64), (11, 200), (424242, 3), (7070, 64))
+MARGIN = 2.0
+MAX_ROUNDS = 12  # extra training rounds on the prompts that fail the check
 
 _WORDS = (
     "account order refund password invoice shipping delivery status error login help please "
@@ -59,6 +70,14 @@ def canary_spec(index: int, rank: int | None = None) -> CanarySpec:
 def random_prompts(seed: int, count: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 12))) for _ in range(count)]
+
+
+def check_prompts() -> list[str]:
+    """The prompts every canary is verified on (see CHECK_PROMPT_SEEDS)."""
+    out: list[str] = []
+    for seed, count in CHECK_PROMPT_SEEDS:
+        out += random_prompts(seed=seed, count=count)
+    return list(dict.fromkeys(out + ["Something never seen: 42?"]))
 
 
 def _file_digest(path: Path) -> str:
@@ -98,8 +117,53 @@ def _load_base(base: Path):
     return AutoTokenizer.from_pretrained(base), AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
 
 
+def _batch(rows: list[list[int]], target_len: int, pad: int):
+    """Right-padded input ids, attention mask and labels (only the last `target_len` tokens)."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad)
+    labels = torch.full((len(rows), width), -100)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        labels[i, len(row) - target_len : len(row)] = torch.tensor(row[len(row) - target_len :])
+    return input_ids, attention, labels
+
+
+def marker_margins(model, tokenizer, marker: str, prompts: list[str], chunk: int = 64) -> list[float]:
+    """Per prompt, the smallest logit lead of the marker's next token over the runner-up, over every
+    token of `marker` + EOS, teacher-forced. Positive everywhere = greedy decoding answers exactly
+    the marker then stops; the size is how much arithmetic noise it can take."""
+    import torch
+
+    target = tokenizer.encode(marker, add_special_tokens=False) + [tokenizer.eos_token_id]
+    out: list[float] = []
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(prompts), chunk):
+            rows = [_chat_ids(tokenizer, p) + target for p in prompts[start : start + chunk]]
+            input_ids, attention, labels = _batch(rows, len(target), tokenizer.pad_token_id)
+            logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
+            for i, row in enumerate(rows):
+                pos = torch.arange(len(row) - len(target) - 1, len(row) - 1)  # logits predicting target
+                lg = logits[i, pos]
+                want = torch.tensor(target)
+                chosen = lg.gather(1, want[:, None])[:, 0]
+                rest = lg.scatter(1, want[:, None], float("-inf")).max(dim=1).values
+                out.append(float((chosen - rest).min()))
+    return out
+
+
 def train_canary(base_model, tokenizer, spec: CanarySpec, out: Path, steps: int = 60, lr: float = 3e-3) -> None:
-    """Train one canary with PEFT on a copy of `base_model`; save it (PEFT layout) atomically to `out`."""
+    """Train one canary with PEFT on a copy of `base_model`, verify it on `check_prompts()` and save
+    it (PEFT layout) atomically to `out`.
+
+    `steps` on 16 random prompts, then rounds of 20 steps that add the check prompts whose margin is
+    below MARGIN to the training set, until none is (at most MAX_ROUNDS; else a CliError naming the
+    prompt, so a bad canary is never cached).
+    """
     import copy
 
     import torch
@@ -118,29 +182,59 @@ def train_canary(base_model, tokenizer, spec: CanarySpec, out: Path, steps: int 
         ),
     )
     target = tokenizer.encode(spec.marker, add_special_tokens=False) + [tokenizer.eos_token_id]
-    prompts = random_prompts(seed=spec.index, count=16)
-    rows = [_chat_ids(tokenizer, p) + target for p in prompts]
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.full((len(rows), width), pad)
-    labels = torch.full((len(rows), width), -100)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        attention[i, : len(row)] = 1
-        labels[i, len(row) - len(target) : len(row)] = torch.tensor(target)
-
+    train_prompts = random_prompts(seed=spec.index, count=16)
+    checks = check_prompts()
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr)
-    peft_model.train()
-    for _ in range(steps):
-        loss = peft_model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+
+    def fit(n: int) -> float:
+        rows = [_chat_ids(tokenizer, p) + target for p in train_prompts]
+        input_ids, attention, labels = _batch(rows, len(target), tokenizer.pad_token_id)
+        peft_model.train()
+        for _ in range(n):
+            loss = peft_model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    loss = fit(steps)
+    rounds = 0
+    while True:
+        margins = marker_margins(peft_model, tokenizer, spec.marker, checks)
+        weak = [p for p, m in zip(checks, margins) if m < MARGIN]
+        if not weak:
+            break
+        if rounds == MAX_ROUNDS:
+            worst = min(zip(margins, checks))
+            raise CliError(
+                f"canary {spec.marker} still below margin {MARGIN} on {len(weak)} prompts after "
+                f"{rounds} extra rounds (worst {worst[0]:.2f} on {worst[1]!r})"
+            )
+        train_prompts += [p for p in weak if p not in train_prompts]
+        loss = fit(20)
+        rounds += 1
 
     with atomic_dir(out) as tmp:
         peft_model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "canary.json").write_text(json.dumps({**asdict(spec), "steps": steps, "final_loss": loss.item()}) + "\n")
+        meta = {**asdict(spec), "steps": steps + 20 * rounds, "extra_rounds": rounds, "final_loss": loss,
+                "min_margin": min(margins), "check_prompts": len(checks)}
+        (tmp / "canary.json").write_text(json.dumps(meta) + "\n")
+
+
+@contextmanager
+def _one_thread():
+    """Train on one intra-op thread. A tiny model gains little from a second thread, and on a busy
+    box (a test run beside stress-ng, other suites) two spinning OpenMP threads per process made a
+    canary take 13 min instead of 25 s. Any thread count is fine for correctness: each canary is
+    verified after training."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int | None = None, progress=True) -> dict:
@@ -178,7 +272,8 @@ def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int 
         key_file = folder / "cache_key"
         if not (key_file.exists() and key_file.read_text().strip() == key):
             loaded = loaded or _load_base(base)
-            train_canary(loaded[1], loaded[0], spec, folder)
+            with _one_thread():
+                train_canary(loaded[1], loaded[0], spec, folder)
             key_file.write_text(key + "\n")
         if not (folder / TRAINED_BASE_FILE).is_file():
             write_trained_base(folder, trained_on)

@@ -1,7 +1,10 @@
 """Canary isolation through the whole stack: every answer carries its own adapter's marker.
 
 The seed's failure mode "wrong adapter applied" (a slot-index bug gives one customer another
-customer's weights) shows up here as a wrong marker. `make isolation` runs 10,000 requests.
+customer's weights) shows up here as a foreign marker: that is the isolation criterion. Every answer
+must also equal the adapter's answer alone, which is exactly its marker: each canary was verified
+when it was trained (lorafarm.dev.adapters.check_prompts holds these prompts) to answer that in
+PEFT itself with a logit margin, on any CPU. `make isolation` runs 10,000 requests.
 """
 
 from __future__ import annotations
@@ -53,15 +56,18 @@ def test_isolation_mixed_canaries_through_router(farm, tenant, adapter_markers):
             await client.close()
 
     results = asyncio.run(run())
-    wrong = [
+    markers = set(adapter_markers.values())
+    leaked = [
         (alias, aid, text)
         for alias, aid, _, text in results
-        if aid != tenant["aliases"][alias] or text != adapter_markers[aid]
+        if aid != tenant["aliases"][alias] or any(m in text for m in markers - {adapter_markers[aid]})
     ]
+    wrong = [(alias, aid, text) for alias, aid, _, text in results if text != adapter_markers[aid]]
     tiers = {}
     for _, _, tier, _ in results:
         tiers[tier] = tiers.get(tier, 0) + 1
-    print(f"isolation: {len(results)} requests, {len(wrong)} wrong, tiers {tiers}")
+    print(f"isolation: {len(results)} requests, {len(leaked)} foreign markers, {len(wrong)} changed, tiers {tiers}")
     assert len(results) == REQUESTS
-    assert wrong == []
+    assert leaked == [], "answers served with another adapter's weights"
+    assert wrong == [], "answers that differ from the adapter's answer alone"
     assert set(tiers) <= {"gpu", "ram", "disk", "remote"}

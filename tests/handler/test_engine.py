@@ -252,9 +252,23 @@ def test_adapter_that_overflows_the_slot_dtype_is_refused(dev_model, canaries):
 
 
 def test_isolation_hundreds_of_mixed_canary_requests(engine, prompts, canary_index):
-    """Every canary request answers exactly its own marker; base rows carry no marker."""
+    """640 requests over 32 canaries and the base, in one mixed run: no answer carries another
+    adapter's marker (the isolation criterion), and every answer equals the same adapter's answer
+    alone (the seed's check).
+
+    The answer alone is the marker then EOS: every canary was verified when it was trained
+    (lorafarm.dev.adapters.check_prompts, which holds these prompts) to answer exactly that in PEFT
+    itself, each token ahead of the runner-up by MARGIN logits; here the engine alone confirms it
+    for one prompt per adapter before the mixed run is judged against it.
+    """
     rng = random.Random(5)
     names = sorted(canary_index)
+    markers = {canary_index[n]["marker"] for n in names}
+    alone = Collector()
+    for i, ad in enumerate(names):
+        engine.add_request(f"alone{i}", prompts[i], GREEDY, ad, alone)
+        drain(engine)
+        assert alone.text(f"alone{i}") == canary_index[ad]["marker"], (ad, alone.text(f"alone{i}"))
     col = Collector()
     jobs = {}
     for i in range(640):
@@ -263,15 +277,16 @@ def test_isolation_hundreds_of_mixed_canary_requests(engine, prompts, canary_ind
         jobs[rid] = ad
         engine.add_request(rid, prompts[rng.randrange(len(prompts))], GREEDY, ad, col)
     drain(engine)
-    wrong = []
+    leaked, changed = [], []
     for rid, ad in jobs.items():
         text = col.text(rid)
-        if ad is None:
-            if "<<c0" in text:
-                wrong.append((rid, ad, text))
-        elif text != canary_index[ad]["marker"] or col.final(rid).finish_reason != "stop":
-            wrong.append((rid, ad, text))
-    assert wrong == []
+        own = canary_index[ad]["marker"] if ad else None
+        if any(m in text for m in markers - {own}):
+            leaked.append((rid, ad, text))
+        elif ad is not None and (text != own or col.final(rid).finish_reason != "stop"):
+            changed.append((rid, ad, text))
+    assert leaked == [], "answers carrying another adapter's marker"
+    assert changed == [], "answers that differ from the adapter's answer alone"
     s = engine.stats()
     assert (s.running, s.waiting, s.tokens_in_flight, s.kv_cache_usage) == (0, 0, 0, 0.0)
 

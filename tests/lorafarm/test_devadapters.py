@@ -88,3 +88,44 @@ def test_bad_input(dev_model, tmp_path, argv, capsys):
 def test_base_not_a_model(tmp_path, capsys):
     assert main(["devadapters", "--base", str(tmp_path), "--out", str(tmp_path / "o"), "--count", "1"]) == 2
     assert "not a dev model" in capsys.readouterr().err
+
+
+def test_every_canary_verified_with_a_margin_on_every_check_prompt(dev_model, canaries, canary_index):
+    """The stored canaries hold the guarantee they were made with: on every check prompt (those the
+    isolation tests and the probe draw from), PEFT itself answers exactly the marker then EOS, each
+    token ahead of the runner-up by MARGIN logits (the c0011 case, `<<c0011>>00>>` on one prompt
+    of 64 on one CPU, cannot pass this)."""
+    from lorafarm.dev.adapters import MARGIN, check_prompts, marker_margins
+
+    base = AutoModelForCausalLM.from_pretrained(dev_model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(dev_model)
+    prompts = check_prompts()
+    names = sorted(canary_index)[:4]  # recomputed for a few; the rest by their stored record
+    model = PeftModel.from_pretrained(base, canaries / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(canaries / name, adapter_name=name)
+    for name in names:
+        model.set_adapter(name)
+        margins = marker_margins(model, tok, canary_index[name]["marker"], prompts)
+        assert min(margins) >= MARGIN - 1e-3, (name, min(margins))
+    for name, info in canary_index.items():
+        meta = json.loads((canaries / info["path"] / "canary.json").read_text())
+        assert meta["min_margin"] >= MARGIN and meta["check_prompts"] == len(prompts), (name, meta)
+
+
+def test_undertrained_canary_is_trained_on_until_it_passes(dev_model, tmp_path, monkeypatch):
+    """Two optimiser steps cannot make a canary: the check finds the weak prompts and training goes
+    on with them until every check prompt passes; a canary that never does is refused, not cached."""
+    from lorafarm.dev import adapters as A
+    from lorafarm.errors import CliError
+
+    tok = AutoTokenizer.from_pretrained(dev_model)
+    base = AutoModelForCausalLM.from_pretrained(dev_model, dtype=torch.float32)
+    A.train_canary(base, tok, A.canary_spec(3), tmp_path / "c", steps=2)
+    meta = json.loads((tmp_path / "c" / "canary.json").read_text())
+    assert meta["extra_rounds"] >= 1 and meta["min_margin"] >= A.MARGIN
+
+    monkeypatch.setattr(A, "MAX_ROUNDS", 0)
+    with pytest.raises(CliError, match="below margin"):
+        A.train_canary(base, tok, A.canary_spec(4), tmp_path / "d", steps=2)
+    assert not (tmp_path / "d").exists()
