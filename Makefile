@@ -35,7 +35,7 @@ compose-images:
 # the farm and waits until every container is healthy
 compose-up:
 	@docker image inspect $(LORAFARM_IMAGE) >/dev/null 2>&1 || $(MAKE) image
-	@for i in postgres s3 prometheus; do docker image inspect lorafarm-$$i:0.1.0 >/dev/null 2>&1 || exit 1; done \
+	@(for i in postgres s3 prometheus; do docker image inspect lorafarm-$$i:0.1.0 >/dev/null 2>&1 || exit 1; done) \
 		|| deploy/build_image.sh services
 	deploy/compose_env.sh
 	LORAFARM_IMAGE=$(LORAFARM_IMAGE) $(DC) up -d
