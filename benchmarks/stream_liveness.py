@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica-flags", default="")
     p.add_argument("--router-flags", default="")
     p.add_argument("--dev", action="store_true")
+    p.add_argument("--base", default=None, help="serve this checkpoint (lorafarm up --base): the base model only")
     p.add_argument("--seed-model", default=None,
                    help="with --dev: copy this dev model folder into the state dir (no rebuild)")
     p.add_argument("--seed-canaries", default=None,
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     state = Path(args.state_dir)
     cmd = [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(state),
            "--port", str(args.port), "--registry-port", str(args.port + 1), "--replica-port", str(args.port + 10),
-           "--replica-flags", args.replica_flags, "--router-flags", args.router_flags] + (["--dev"] if args.dev else [])
+           "--replica-flags", args.replica_flags, "--router-flags", args.router_flags] + (["--dev"] if args.dev else []) \
+        + (["--base", args.base] if args.base else [])
     state.mkdir(parents=True, exist_ok=True)
     if args.dev and args.seed_model and args.seed_canaries:
         import shutil
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the farm did not start; see {state / 'up.log'}")
         farm = json.loads((state / "farm.json").read_text())
         tenant = farm["tenants"][0]
-        alias = sorted(tenant["aliases"])[0]
+        alias = sorted(tenant["aliases"])[0] if tenant["aliases"] else None
         base = sorted(farm["base_models"])[0] if isinstance(farm.get("base_models"), (list, dict)) else None
         models = [m for m in (base, alias) if m]
         t0 = time.perf_counter()
