@@ -342,6 +342,7 @@ class LoraHandler:
         self.context = context
         self.metrics = context.metrics or ReplicaMetrics(context.replica_id, context.model_name)
         context.metrics = self.metrics
+        self.metrics.watch_grammar(self)
         self.base_config = read_base_config(context.model_dir)
         self.base_model_hash = base_model_hash(context.model_dir)
         pools = context.rank_pools or {r: context.slots for r in DEFAULT_RANK_POOLS if r <= context.limits.rank_limit}

@@ -65,6 +65,39 @@ class RateWindow:
         return self.count() * 60.0 / self.window_s
 
 
+class GrammarCollector:
+    """The grammar worker pool's counters and the grammar cache's bytes, read at scrape time from
+    the handler (handler.grammar_pool): a compile refused for a crash, timeout or memory limit is a
+    tenant's hostile or broken schema, a respawn a worker lost to it."""
+
+    def __init__(self, handler):
+        self._handler = handler
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        h = self._handler
+        pool, cache = getattr(h, "grammar_pool", None), getattr(h, "grammar_cache", None)
+        compiles = CounterMetricFamily("lorafarm_grammar_compiles", "Grammar compiles sent to the worker pool.")
+        failures = CounterMetricFamily("lorafarm_grammar_compile_failures",
+                                       "Grammar compiles refused by the pool, by limit.", labels=["limit"])
+        respawns = CounterMetricFamily("lorafarm_grammar_worker_respawns", "Grammar workers replaced after a loss.")
+        alive = GaugeMetricFamily("lorafarm_grammar_workers_alive", "Grammar worker processes alive.")
+        cached = GaugeMetricFamily("lorafarm_grammar_cache_bytes", "Bytes held by the grammar cache.")
+        if pool is not None:
+            compiles.add_metric([], pool.compiles)
+            for limit in ("crash", "timeout", "memory", "invalid"):
+                failures.add_metric([limit], pool.failures.get(limit, 0))
+            for limit, n in pool.failures.items():
+                if limit not in ("crash", "timeout", "memory", "invalid"):
+                    failures.add_metric([str(limit)], n)
+            respawns.add_metric([], pool.respawns)
+            alive.add_metric([], pool.alive)
+        if cache is not None:
+            cached.add_metric([], cache.bytes)
+        yield from (compiles, failures, respawns, alive, cached)
+
+
 class ReplicaMetrics:
     """Every collector the replica exports. Labels: `tier` is where the request's adapter was when the
     request arrived (gpu | ram | disk | remote, `gpu` for base-model requests)."""
@@ -168,6 +201,12 @@ class ReplicaMetrics:
 
     def evictions_per_min(self) -> float:
         return self.eviction_rate.per_minute()
+
+    def watch_grammar(self, handler) -> None:
+        """Export the handler's grammar pool and cache (read at each scrape)."""
+        if not getattr(self, "_grammar_watched", False):
+            self.registry.register(GrammarCollector(handler))
+            self._grammar_watched = True
 
     def render(self) -> bytes:
         self.loads_per_min_gauge.set(self.loads_per_min())

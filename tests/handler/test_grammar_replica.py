@@ -134,6 +134,12 @@ def test_poison_schemas_fail_only_their_own_request(replica):
     assert "SIGSEGV" in r.json()["error"]["message"] and r.json()["error"]["param"] == "tools"
     assert_serving(replica)
     assert "Traceback" not in replica.log()
+    # the workers lost are counted where an operator looks: crashes and respawns in /metrics
+    text = httpx.get(f"{replica.url}/metrics", timeout=10).text
+    crashes = [ln for ln in text.splitlines() if ln.startswith('lorafarm_grammar_compile_failures_total{limit="crash"}')]
+    assert crashes and float(crashes[0].split()[-1]) >= 3, crashes
+    respawns = [ln for ln in text.splitlines() if ln.startswith("lorafarm_grammar_worker_respawns_total ")]
+    assert respawns and float(respawns[0].split()[-1]) >= 3, respawns
 
 
 @pytest.mark.parametrize("schema", [many_properties(1000), RECURSIVE_REQUIRED], ids=["1000-props", "recursive"])
