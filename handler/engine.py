@@ -216,8 +216,9 @@ class Engine:
         (`Runner.compile`; CUDA graphs on CUDA). Steps with prefill stay eager.
         batch_invariant: a row's arithmetic independent of the batch (docs/architecture.md, "Answers
         independent of load"): every product on at least `model.INVARIANT_MIN_ROWS` rows, the LoRA
-        delta per token ("invariant" kernel), decode attention gathered, prompts prefilled in chunks
-        at fixed offsets (multiples of max_prefill_tokens). Excludes compile.
+        delta per token ("invariant" kernel), attention one call per sequence (decode gathered),
+        prompts prefilled in chunks at fixed offsets (multiples of max_prefill_tokens). Excludes
+        compile and attention "paged".
         """
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
@@ -275,8 +276,9 @@ class Engine:
             self.max_context = min(self.max_context, int(max_context))
         self._buffers = StepBuffers(self.device)
         self.batch_invariant = bool(batch_invariant)
-        if self.batch_invariant and compile:
-            raise ValueError("batch_invariant and compile exclude each other (compiled pieces run padded buckets)")
+        if self.batch_invariant and (compile or attention == "paged"):
+            raise ValueError("batch_invariant excludes compile and attention 'paged' (padded buckets, a kernel "
+                             "whose split depends on the batch)")
         self.runner.batch_invariant = self.batch_invariant
         if self.lora is not None and self.batch_invariant:
             self.lora.kernel = "invariant"
@@ -634,7 +636,8 @@ class Engine:
                     batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
                                              decode_from=len(prefill), pad_block=self.kv.null_block,
                                              decode_tables=self.decode_tables, buffers=self._buffers,
-                                             pad_to=pad_to, scratch_slot=self.kv.scratch_block * self.kv.block_size)
+                                             pad_to=pad_to, scratch_slot=self.kv.scratch_block * self.kv.block_size,
+                                             per_row=self.batch_invariant)
                     if self.lora is not None:
                         batch.lora = self.lora.prepare(slots, prefill=bool(prefill))
                     return self.runner.forward(batch, self.kv)

@@ -364,6 +364,7 @@ def build_step_batch(
     buffers: StepBuffers | None = None,
     pad_to: int | None = None,
     scratch_slot: int = 0,
+    per_row: bool = False,
 ) -> StepBatch:
     """Metadata for one forward over `seqs` = [(new token ids, start position, block table)].
 
@@ -378,6 +379,11 @@ def build_step_batch(
     `pad_to` (decode rows only): a bucketed step of `pad_to` rows, the rows past the real ones
     being padding (token 0 at position 0, K/V written to `scratch_slot`, attention zero); logits
     are those of the real rows (`StepBatch.rows`).
+
+    `per_row` (the engine's batch-invariant mode): every sequence is an attention group of its own
+    (a fresh chunk its own causal call, a decode row its own bucket padded to its own blocks), so its
+    attention is the same call alone or in any batch: with more than one thread, SDPA on the CPU
+    splits a batched call's work by its shape, and a row's result changes with its neighbours.
     """
     n = len(seqs)
     decode_from = n if decode_from is None else decode_from
@@ -409,7 +415,7 @@ def build_step_batch(
         q = len(ids)
         if start == 0:
             j = i + 1
-            while j < decode_from and seqs[j][1] == 0 and len(seqs[j][0]) == q:
+            while not per_row and j < decode_from and seqs[j][1] == 0 and len(seqs[j][0]) == q:
                 j += 1
             qpos = torch.arange(q)
             masks = {w: None if w is None or w >= q else to_device(_window_mask(qpos, q, w), device) for w in windows}
@@ -428,7 +434,8 @@ def build_step_batch(
         meta = decode_tables.build(ctx, [seqs[i][2] for i in dec], windows)
         groups.append(AttnGroup("paged", first[decode_from], len(tok), len(dec), 1, None, None, {}, meta))
         dec = []
-    for bucket in _decode_buckets(ctx, block_size) if dec else []:
+    buckets = [[b] for b in range(len(dec))] if per_row else _decode_buckets(ctx, block_size) if dec else []
+    for bucket in buckets:
         rows = [dec[b] for b in bucket]
         nb = max(-(-ctx[b] // block_size) for b in bucket)
         qpos = torch.tensor([ctx[b] - 1 for b in bucket]).view(-1, 1)
@@ -584,9 +591,24 @@ def _bi_mlp_in(x, o, norm, w, b, eps: float):
     return x, h, padded_linear(h, w, b)
 
 
+# ATen runs an element-wise op on one thread below this many elements (at::internal::GRAIN_SIZE);
+# above, threads split the flat range anywhere, even inside a row, and the part of a row that falls
+# in a chunk's tail takes the scalar exp instead of the vectorized one: a last-bit difference that
+# depends on the batch. In chunks of whole rows below it, every row is one inner loop of its own.
+_GRAIN = 32768
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a transcendental element-wise fn, computed the same way for a row in any batch."""
+    rows = max(1, (_GRAIN - 1) // max(1, x[0].numel()))
+    if x.shape[0] <= rows:
+        return fn(x)
+    return torch.cat([fn(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
+
+
 def _bi_mlp_out(gu, w, b, act: str):
     half = gu.shape[1] // 2
-    m = _ACTS[act](gu[:, :half]) * gu[:, half:]
+    m = rowwise(_ACTS[act], gu[:, :half]) * gu[:, half:]
     return m, padded_linear(m, w, b)
 
 

@@ -19,7 +19,17 @@ from lorafarm.dev.adapters import random_prompts
 from tests.handler.test_engine import Collector, chat_ids, drain, run_staggered
 from handler.model import LORA_MODULES
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """As a replica runs (torch's default: one thread per core), not the one thread of the other
+    engine tests: with two, SDPA and BLAS split a batched call's work by its shape."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
 
 N = 32
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
