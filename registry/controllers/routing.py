@@ -110,7 +110,10 @@ class RoutingController(Controller):
                 break
             if asyncio.get_running_loop().time() >= deadline:
                 return Response(None, status_code=304, headers={"ETag": etag, "Cache-Control": "no-cache"})
-            await asyncio.sleep(LONG_POLL_STEP_S)
+            try:
+                await asyncio.sleep(LONG_POLL_STEP_S)
+            except asyncio.CancelledError:  # the server is stopping (its 3 s grace is over): answer now
+                return Response(None, status_code=304, headers={"ETag": etag, "Cache-Control": "no-cache"})
         async with ctx.db.read() as session:
             # The version first: content read after it is at least as new, never older.
             version = int((await session.execute(select(RegistryState.version).where(RegistryState.id == 1))).scalar_one())
