@@ -1,7 +1,7 @@
 """Start one standalone replica on a model folder; print the time until /health answers, the time of a
 first 16-token chat and the replica's RSS after it (docs/real-models.md, "Memory sizing").
 
-    .venv/bin/python benchmarks/replica_footprint.py MODEL_DIR [--port 18931] [--inductor-cache DIR] [-- REPLICA FLAGS]
+    .venv/bin/python benchmarks/replica_footprint.py MODEL_DIR [--port 18931] [--inductor-cache DIR] [REPLICA FLAGS]
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ def main() -> int:
     p.add_argument("model")
     p.add_argument("--port", type=int, default=18931)
     p.add_argument("--inductor-cache", default=None)
-    p.add_argument("flags", nargs=argparse.REMAINDER)
-    a = p.parse_args()
-    flags = [f for f in a.flags if f != "--"]
+    a, flags = p.parse_known_args()  # anything else goes to `lorafarm replica`
+    flags = [f for f in flags if f != "--"]
     env = dict(os.environ)
     if a.inductor_cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = a.inductor_cache
