@@ -99,6 +99,10 @@ async def test_echo_catalog_retire_metrics_logs(farm, canaries):
         exported = exported_metrics(httpx.get(farm["router_url"] + "/metrics").text)
         for r in farm["replicas"]:
             exported |= exported_metrics(httpx.get(r["url"] + "/metrics").text)
+        # the canary probe's series come from its own process (`lorafarm probe run`), not the farm's
+        from lorafarm.probe import ProbeMetrics
+
+        exported |= exported_metrics(ProbeMetrics().exposition())
         missing = queried_metrics() - exported
         assert not missing, sorted(missing)
         text = httpx.get(farm["router_url"] + "/metrics").text

@@ -12,7 +12,7 @@ from lorafarm import capacity as cap
 from lorafarm.cli import build_parser, main
 
 SEVEN_B = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-           "num_key_value_heads": 32, "architectures": ["LlamaForCausalLM"]}
+           "num_key_value_heads": 32, "vocab_size": 32000, "architectures": ["LlamaForCausalLM"]}
 
 
 def test_seed_numbers():
