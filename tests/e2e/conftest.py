@@ -66,3 +66,17 @@ def adapter_markers(farm):
 
 def farm_json(farm) -> dict:
     return json.loads(farm["_farm"].farm_json.read_text())
+
+
+@pytest.fixture(scope="module")
+def client(farm, tenant):
+    """The official openai client on the session farm's router, as the demo tenant."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=farm["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def alias(tenant) -> str:
+    """The demo tenant's first alias."""
+    return sorted(tenant["aliases"])[0]

@@ -11,19 +11,8 @@ import os
 import httpx
 import openai
 import pytest
-from openai import OpenAI
 
 from tests.handler.test_grammar_pool import RECURSIVE_REQUIRED, many_properties, ref_chain
-
-
-@pytest.fixture(scope="module")
-def client(farm, tenant) -> OpenAI:
-    return OpenAI(base_url=farm["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def alias(tenant) -> str:
-    return sorted(tenant["aliases"])[0]
 
 
 def fmt(schema: dict) -> dict:

@@ -11,7 +11,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
 WEATHER = {"type": "function", "function": {
@@ -28,16 +28,6 @@ class User(BaseModel):
     name: str = Field(max_length=10)
     age: int = Field(ge=0, le=150)
     tier: Literal["free", "pro", "team"]
-
-
-@pytest.fixture(scope="module")
-def client(farm, tenant) -> OpenAI:
-    return OpenAI(base_url=farm["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def alias(tenant) -> str:
-    return sorted(tenant["aliases"])[0]
 
 
 def ask(content="where is my order"):
