@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -81,9 +82,10 @@ def test_poison_schemas_fail_alone_and_the_pool_respawns(tokenizer, monkeypatch)
                 r = await pool.compile({"kind": "json_schema", "schema": many_properties(20, required=True)})
                 assert r.grammar
             assert pool.failures["crash"] == 2 and pool.respawns >= 2
-            for _ in range(100):
-                if pool.alive == 2:
-                    break
+            # respawning starts a process and builds its tokenizer: seconds on a busy box, so wait on
+            # the pool's own count up to a generous deadline, not a fixed 5 s
+            deadline = time.monotonic() + 120
+            while pool.alive != 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert pool.alive == 2 and len(pids & set(pool.pids())) <= 1
         finally:
