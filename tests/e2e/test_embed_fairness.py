@@ -15,6 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.handler.conftest_service import wait_healthy
+
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
@@ -31,16 +33,7 @@ def worker(tmp_path_factory):
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ},
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the embedding worker did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url, lambda: log.read_text()[-3000:], timeout=180, what="the embedding worker")
         yield {"url": url, "folder": folder}
     finally:
         proc.terminate()

@@ -185,6 +185,23 @@ def sse_events(text: str) -> list:
     return out
 
 
+def wait_healthy(proc, url: str, log, timeout: float = 120.0, what: str = "replica") -> None:
+    """Block until `url`/health answers 200 from the started process `proc`; fail with `log()` (its
+    log text) as soon as it exits, or when `timeout` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not become healthy"
+        time.sleep(0.2)
+
+
 async def wait_until(pred, timeout: float = 10.0, interval: float = 0.02):
     import asyncio
 

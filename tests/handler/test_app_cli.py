@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from handler.cli import build_config, parse_pools, parse_size
 from lorafarm.cli import build_parser
 from lorafarm.errors import CliError
-from tests.handler.conftest_service import free_port, service_archives  # noqa: F401 - fixture
+from tests.handler.conftest_service import free_port, service_archives, wait_healthy  # noqa: F401 - fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,16 +72,7 @@ def test_replica_process_in_merged_mode(dev_model, service_archives, tmp_path):
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "replica.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "replica did not become healthy"
-            time.sleep(0.2)
+        wait_healthy(proc, url, lambda: (tmp_path / "replica.log").read_text())
         body = {"model": aid, "messages": [{"role": "user", "content": "my invoice"}], "temperature": 0,
                 "max_tokens": 16}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)

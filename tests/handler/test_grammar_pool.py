@@ -5,7 +5,6 @@ bytes per tenant."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest

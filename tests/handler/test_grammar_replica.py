@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from handler.grammar_pool import FAULT_ENV, FAULT_TITLE
-from tests.handler.conftest_service import free_port
+from tests.handler.conftest_service import free_port, wait_healthy
 from tests.handler.test_grammar_pool import RECURSIVE_REQUIRED, many_properties, ref_chain
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,16 +49,7 @@ class Replica:
              "--kv-cache-bytes", "16MiB", "--slots", "1", "--prefetch-interval-s", "0", "--log-level", "warning",
              *flags],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, self.log()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "replica did not become healthy"
-            time.sleep(0.2)
+        wait_healthy(self.proc, self.url, self.log, timeout=180)
 
     def log(self) -> str:
         return self.logfile.read_text(errors="replace")[-4000:]
