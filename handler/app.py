@@ -74,6 +74,7 @@ class ReplicaConfig:
     attention: str = "auto"  # decode attention: auto | paged | gather (handler.engine.Engine)
     compile: bool = False  # torch.compile the layer pieces of decode steps (CUDA graphs on cuda)
     batch_invariant: bool = False  # a row's arithmetic independent of the batch (handler.engine.Engine)
+    prefix_cache: bool = True  # reuse the KV of identical prompt prefixes, per tenant and adapter
     pull_owned: bool = True
     prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
     prefetch_top: int = 16  # how many of the most requested adapters to keep warm
@@ -209,7 +210,7 @@ class ReplicaService:
             rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
             ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
             source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile,
-            batch_invariant=cfg.batch_invariant)
+            batch_invariant=cfg.batch_invariant, prefix_cache=cfg.prefix_cache)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
         await asyncio.to_thread(self.handler.initialize, ctx)
@@ -553,7 +554,8 @@ async def _sse(greq, gen: Generation | None, token_text, *, pending: asyncio.Fut
                 for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
                     yield oai.sse(obj)
         if greq.include_usage:
-            yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens))
+            yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens,
+                                                gen.cached_tokens))
         yield oai.SSE_DONE
     except oai.OpenAIError as e:
         yield oai.sse_error(e)

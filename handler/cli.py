@@ -147,6 +147,9 @@ def register(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="a row's arithmetic independent of the batch around it (same tokens and logits at temperature "
                         "0 alone or in a batch; docs/architecture.md); excludes --compile")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt from scratch (default: KV blocks of identical prompt prefixes are "
+                        "reused, only within one tenant, adapter and base: docs/architecture.md, Prefix cache)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
                         "cuda); compiles for a minute or more at first use")
@@ -249,6 +252,7 @@ def build_config(args: argparse.Namespace):
         prefetch_interval_s=args.prefetch_interval_s, load_nice=args.load_nice,
         attention=args.attention, compile=getattr(args, "compile", False),
         batch_invariant=getattr(args, "batch_invariant", False),
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 

@@ -26,6 +26,12 @@ Scheduling, once per `step()`:
   3. Sampling per request, events, and finished or cancelled requests leave the batch and free
      their cache blocks at once.
 
+Prefix cache (`prefix_cache=True`; `handler.prefix_cache`): at admission a request takes the
+longest run of cached full blocks whose chain hash (base, adapter id, the request's `cache_salt`,
+and every token up to the block's end) equals its own, and prefills from there; the full blocks it
+writes are published when its prefill step ends, and outlive it in an LRU until their space is
+needed. `cached_tokens` on its events says how many prompt tokens it did not compute.
+
 Thread safety: `add_request`, `cancel`, `mount_adapter`, `unmount_adapter`, `stats` and the
 lookups may be called from any thread while another thread runs `step()` (or after `start()`).
 `on_event` callbacks run on the engine thread (a cancellation's final event runs on the thread
@@ -51,6 +57,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from handler.kvcache import KVCache
+from handler.prefix_cache import chain_hashes, chain_root
 from handler.lora import InvalidAdapterWeightsError, ModelLoRA, SlotImage, read_peft_adapter
 from handler.merge import MergedAdapter, merge_adapter
 from handler import paged_attention
@@ -125,6 +132,7 @@ class TokenEvent:
     error: str | None = None
     # the token's (logprob, [(token, logprob), ...top]) when the request asked for logprobs
     logprobs: tuple | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
 
 
 @dataclass
@@ -142,6 +150,10 @@ class EngineStats:
     kv_cache_capacity_tokens: int = 0
     preemptions: int = 0  # requests preempted (by recompute) because the KV cache ran out
     attention: str = "gather"  # decode attention in use: "paged" (in place) or "gather"
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not prefilled)
+    prefix_cache_blocks: int = 0  # blocks holding a cached prefix block now (in use or not)
+    prefix_cache_evictions: int = 0
 
 
 @dataclass
@@ -155,10 +167,11 @@ class _Mounted:
 class _Request:
     __slots__ = (
         "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled", "ctx",
-        "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop",
+        "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop", "salt", "hashes",
+        "published", "cached", "admitted",
     )
 
-    def __init__(self, rid, prompt, params, adapter_id, slot, on_event, gen):
+    def __init__(self, rid, prompt, params, adapter_id, slot, on_event, gen, salt=None):
         self.id, self.prompt, self.params = rid, prompt, params
         self.adapter_id, self.slot, self.on_event, self.gen = adapter_id, slot, on_event, gen
         self.out: list[int] = []
@@ -172,6 +185,11 @@ class _Request:
         self.read_off = 0
         self.arrival = time.monotonic()
         self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.salt = salt  # the prefix cache's tenant salt
+        self.hashes: list[bytes] | None = None  # chain hashes of ctx's full blocks (prefix cache)
+        self.published = 0  # leading blocks of `blocks` already named in the prefix cache
+        self.cached = 0  # prompt tokens taken from the prefix cache at first admission
+        self.admitted = False
 
     def remaining(self) -> int:
         return (len(self.ctx) - self.prefilled) + (self.params.max_tokens - len(self.out))
@@ -198,6 +216,8 @@ class Engine:
         attention: str = "auto",
         compile: bool = False,
         batch_invariant: bool = False,
+        prefix_cache: bool = False,
+        cache_key: str | None = None,
     ):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
@@ -219,6 +239,9 @@ class Engine:
         delta per token ("invariant" kernel), attention one call per sequence (decode gathered),
         prompts prefilled in chunks at fixed offsets (multiples of max_prefill_tokens). Excludes
         compile and attention "paged".
+        prefix_cache: reuse the KV blocks of identical prompt prefixes (module docstring), keyed by
+        `cache_key` (the base model's identity; default the model folder), the adapter id and the
+        request's `cache_salt`.
         """
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
@@ -270,7 +293,9 @@ class Engine:
         if kv_cache_bytes is None:
             per_tok = KVCache.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype)
             kv_cache_bytes = min(self.max_batch * min(self.config.max_position_embeddings, 2048) * per_tok, 2 << 30)
-        self.kv = KVCache.from_budget(self.config, kv_cache_bytes, dtype, self.device, block_size)
+        self.kv = KVCache.from_budget(self.config, kv_cache_bytes, dtype, self.device, block_size,
+                                      prefix_cache=prefix_cache)
+        self.cache_key = cache_key or str(self.model_dir.resolve())
         self.max_context = min(self.config.max_position_embeddings, self.kv.capacity_tokens)
         if max_context is not None:
             self.max_context = min(self.max_context, int(max_context))
@@ -280,6 +305,10 @@ class Engine:
             raise ValueError("batch_invariant excludes compile and attention 'paged' (padded buckets, a kernel "
                              "whose split depends on the batch)")
         self.runner.batch_invariant = self.batch_invariant
+        # batch-invariant prefill cuts prompts at multiples of max_prefill_tokens: a cache hit keeps
+        # that cut (and so the bits of every later token) only when it ends on one
+        per_chunk, rest = divmod(self.max_prefill_tokens, block_size)
+        self._invariant_hit_unit = per_chunk if per_chunk and not rest else 1 << 62
         if self.lora is not None and self.batch_invariant:
             self.lora.kernel = "invariant"
         self.compiled = bool(compile)
@@ -313,6 +342,8 @@ class Engine:
         self._prompt_total = 0
         self._gen_total = 0
         self._preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -465,8 +496,12 @@ class Engine:
         params: SamplingParams,
         adapter_id: str | None,
         on_event: Callable[[TokenEvent], None] | None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next step where its cache fits.
+
+        cache_salt: the prefix cache's partition (the tenant): a request only reuses blocks computed
+        for the same salt, adapter and base.
 
         Raises RequestTooLongError (prompt + max_tokens > max_context), InvalidRequestError (bad
         params or ids, duplicate live request id) or UnknownAdapterError (adapter not mounted).
@@ -508,7 +543,7 @@ class Engine:
                     raise UnknownAdapterError(f"adapter {adapter_id} is not mounted")
                 m.refs += 1
                 slot = m.slot
-            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, state)
+            req = _Request(request_id, prompt, params, adapter_id, slot, on_event, state, cache_salt)
             self._requests[request_id] = req
             self._waiting.append(req)
             self._cond.notify_all()
@@ -548,6 +583,10 @@ class Engine:
                 kv_cache_capacity_tokens=self.kv.capacity_tokens,
                 preemptions=self._preemptions,
                 attention=self.attention,
+                prefix_cache_queries=self._prefix_queries,
+                prefix_cache_hits=self._prefix_hits,
+                prefix_cache_blocks=self.kv.pool.cached,
+                prefix_cache_evictions=self.kv.pool.evictions,
             )
 
     @property
@@ -682,6 +721,7 @@ class Engine:
                 for r, n in prefill:
                     self._prompt_total += max(0, min(n, len(r.prompt) - r.prefilled))  # recompute not counted
                     r.prefilled += n
+                    self._publish(r)
                     if r.cancelled:
                         self._finish(r, None, "cancelled", events)
                     elif r.prefilled == len(r.ctx):
@@ -698,15 +738,43 @@ class Engine:
         return True
 
     def _admit(self) -> None:
+        bs = self.kv.block_size
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
             req = self._waiting[0]
             need = len(req.ctx) + (req.params.max_tokens - len(req.out) if self.kv_reserve == "max_tokens" else 0)
-            blocks = self.kv.allocate(need)
+            hit: list[int] = []
+            if self.kv.prefix_cache:
+                if req.hashes is None:
+                    root = chain_root(self.cache_key, req.adapter_id, req.salt)
+                    req.hashes = chain_hashes(req.ctx, bs, root)
+                # full blocks only, and never the whole context: its last token is prefilled here,
+                # for the logits of the next token and so that no shared block is ever written
+                # (batch-invariant: whole prefill chunks only, so the rest is cut as without a hit)
+                hit = self.kv.match(req.hashes[: (len(req.ctx) - 1) // bs],
+                                    self._invariant_hit_unit if self.batch_invariant else 1)
+            blocks = self.kv.allocate(need, have=len(hit))
             if blocks is None:
+                self.kv.free(hit)
                 break  # the cache is full: wait for a request to finish (first come, first served)
             self._waiting.popleft()
-            req.blocks = blocks
+            req.blocks = hit + blocks
+            req.published, req.prefilled = len(hit), len(hit) * bs
+            if not req.admitted:  # a recompute after preemption is not a new lookup
+                req.admitted = True
+                req.cached = req.prefilled
+                if self.kv.prefix_cache:
+                    self._prefix_queries += len(req.prompt)
+                    self._prefix_hits += req.cached
             self._prefilling.append(req)
+
+    def _publish(self, r: _Request) -> None:
+        """Name the full blocks this request's prefill has now written (prefix cache)."""
+        if r.hashes is None or r.blocks is None:
+            return
+        upto = min(r.prefilled // self.kv.block_size, len(r.hashes))
+        for i in range(r.published, upto):
+            self.kv.publish(r.blocks[i], r.hashes[i])
+        r.published = max(r.published, upto)
 
     def _grow_decode_blocks(self) -> None:
         """Give every decode row the block its next token needs, oldest first, preempting the
@@ -731,6 +799,7 @@ class Engine:
         r.blocks = None
         r.ctx = r.prompt + r.out
         r.prefilled = 0
+        r.hashes = None  # ctx changed: hashed again at readmission
         self._waiting.appendleft(r)
         self._preemptions += 1
         log.info("preempted request %s (%d tokens to recompute): KV cache full", r.id, len(r.ctx))
@@ -762,7 +831,8 @@ class Engine:
         if upto > r.emitted:
             delta = r.text[r.emitted : upto]
             r.emitted = upto
-        events.append((r, TokenEvent(r.id, tok, delta, False, None, len(r.prompt), len(r.out), logprobs=r.gen.logprobs)))
+        events.append((r, TokenEvent(r.id, tok, delta, False, None, len(r.prompt), len(r.out), logprobs=r.gen.logprobs,
+                                     cached_tokens=r.cached)))
 
     def _detok(self, r: _Request) -> str:
         """Incremental detokenization: new text once it no longer ends in a partial character."""
@@ -791,7 +861,7 @@ class Engine:
         delta = r.text[r.emitted :] if reason in ("stop", "length") else ""
         r.emitted = len(r.text)
         events.append((r, TokenEvent(r.id, tok, delta, True, reason, len(r.prompt), len(r.out), error,
-                                     r.gen.logprobs if tok is not None else None)))
+                                     r.gen.logprobs if tok is not None else None, r.cached)))
 
     @staticmethod
     def _dispatch(events: list[tuple[_Request, TokenEvent]]) -> None:

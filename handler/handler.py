@@ -85,6 +85,7 @@ class HandlerContext:
     attention: str = "auto"  # decode attention: auto | paged | gather
     compile: bool = False  # torch.compile'd layer pieces for decode steps
     batch_invariant: bool = False  # Engine(batch_invariant=True)
+    prefix_cache: bool = True  # Engine(prefix_cache=True): reuse KV of identical prefixes, per tenant
 
 
 @dataclass
@@ -105,6 +106,7 @@ class GenerationRequest:
     n: int = 1  # choices
     grammar: Any = None  # constrained decoding (response_format or tools): a constrained.CompiledGrammar
     tool_mode: str | None = None  # None, "auto", "required" or the named function
+    tenant: str | None = None  # the router's x-lorafarm-tenant: the prefix cache's partition
 
 
 @dataclass
@@ -146,6 +148,7 @@ class Generation:
         self.timer = timer
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = len(greq.prompt_ids)
+        self.cached_tokens = 0  # prompt tokens the prefix cache saved (the most any choice got)
         self.choices = [_Choice(greq.request_id if i == 0 else f"{greq.request_id}.{i}") for i in range(greq.n)]
         self._index = {c.engine_id: i for i, c in enumerate(self.choices)}
         self._engine_open = {c.engine_id for c in self.choices}  # no final event from the engine yet
@@ -224,6 +227,7 @@ class Generation:
                     c.completion_tokens = ev.completion_tokens
                 if ev.prompt_tokens:
                     self.prompt_tokens = ev.prompt_tokens
+                self.cached_tokens = max(self.cached_tokens, getattr(ev, "cached_tokens", 0) or 0)
                 self._entry(c, ev)
                 out = text  # the engine applies stop strings (and holds back partial matches)
                 if ev.finished:
@@ -343,6 +347,7 @@ class LoraHandler:
         self.metrics = context.metrics or ReplicaMetrics(context.replica_id, context.model_name)
         context.metrics = self.metrics
         self.metrics.watch_grammar(self)
+        self.metrics.watch_prefix_cache(self)
         self.base_config = read_base_config(context.model_dir)
         self.base_model_hash = base_model_hash(context.model_dir)
         pools = context.rank_pools or {r: context.slots for r in DEFAULT_RANK_POOLS if r <= context.limits.rank_limit}
@@ -351,7 +356,8 @@ class LoraHandler:
         kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
                                   rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens,
                                   attention=context.attention, compile=context.compile,
-                                  batch_invariant=context.batch_invariant)
+                                  batch_invariant=context.batch_invariant, prefix_cache=context.prefix_cache,
+                                  cache_key=self.base_model_hash)
         if context.kv_cache_bytes:
             kw["kv_cache_bytes"] = context.kv_cache_bytes
         if context.merged_adapter:
@@ -508,7 +514,7 @@ class LoraHandler:
             max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
             tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now(), n=req.n,
             grammar=await self._grammar(kind, req, tenant or req.model, big=size > self.context.limits.prep_inline_bytes),
-            tool_mode=tool_mode)
+            tool_mode=tool_mode, tenant=tenant)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
@@ -654,7 +660,7 @@ class LoraHandler:
         try:
             for i, choice in enumerate(gen.choices):
                 self.engine.add_request(choice.engine_id, greq.prompt_ids, self.sampling_params(greq, i),
-                                        greq.adapter_id, gen._on_event)
+                                        greq.adapter_id, gen._on_event, cache_salt=greq.tenant)
                 added.append(choice.engine_id)
         except BaseException as e:  # a failed admission keeps no reference (the cache's nor the engine's)
             for eid in added:
@@ -722,7 +728,7 @@ class LoraHandler:
                    for i, c in enumerate(gen.choices)]
         build = oai.chat_completion if greq.kind == "chat" else oai.completion
         return build(greq.response_id, greq.model, choices, gen.prompt_tokens, gen.completion_tokens,
-                     created=greq.created)
+                     created=greq.created, cached_tokens=gen.cached_tokens)
 
     async def handle(self, data: list[dict], context: Any = None, kind: str = "chat") -> list[dict]:
         """TorchServe's entry point: a batch of request bodies -> a list of responses (errors become

@@ -8,8 +8,12 @@ per value. The budget buys `num_blocks` blocks of `block_size` tokens each, allo
 A sequence owns a list of blocks (its block table), allocated as it grows: the engine takes the
 blocks of the prompt when it admits a request and one more block each time decoding crosses a
 block boundary (`grow`). When the pool runs out the engine preempts the youngest request (its
-blocks return to the pool and it is recomputed later, see `handler.engine`). Blocks return to the
-free list the moment their request finishes, is cancelled or preempted.
+blocks return to the pool and it is recomputed later, see `handler.engine`). Blocks are released
+the moment their request finishes, is cancelled or preempted.
+
+With `prefix_cache`, full prompt blocks are named by chain hashes and outlive their request in an
+LRU until the space is needed (`handler.prefix_cache`): `match` hands a new request the longest
+cached prefix of its prompt, shared by reference, and `publish` names a block once written.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 import torch
 
 from handler.model import to_device
+from handler.prefix_cache import BlockPool
 
 
 class KVCache:
@@ -31,6 +36,7 @@ class KVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        prefix_cache: bool = False,
     ):
         if num_blocks < 1:
             raise ValueError("the KV cache budget is smaller than one block")
@@ -45,7 +51,7 @@ class KVCache:
         shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -55,15 +61,19 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     @classmethod
-    def from_budget(cls, config, budget_bytes: int, dtype: torch.dtype, device, block_size: int = 16) -> "KVCache":
+    def from_budget(cls, config, budget_bytes: int, dtype: torch.dtype, device, block_size: int = 16,
+                    prefix_cache: bool = False) -> "KVCache":
         """As many blocks as `budget_bytes` holds for this model config (a `ModelConfig`)."""
         per_token = cls.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
         num_blocks = int(budget_bytes) // (per_token * block_size)
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device)
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device,
+                   prefix_cache)
 
     @classmethod
-    def for_blocks(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> "KVCache":
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device)
+    def for_blocks(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                   prefix_cache: bool = False) -> "KVCache":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device,
+                   prefix_cache)
 
     # -- accounting
     @property
@@ -72,48 +82,72 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free, or cached and unreferenced (evicted on demand)."""
+        return self.pool.available
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.pool.caching
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def can_allocate(self, tokens: int) -> bool:
-        return self.blocks_for(tokens) <= len(self._free)
+        return self.blocks_for(tokens) <= self.pool.available
 
-    def allocate(self, tokens: int) -> list[int] | None:
-        """Reserve the blocks for `tokens` tokens; None (and nothing reserved) when they do not fit."""
-        n = self.blocks_for(tokens)
-        with self._lock:
-            if n > len(self._free):
-                return None
-            return [self._free.pop() for _ in range(n)]
+    def allocate(self, tokens: int, have: int = 0) -> list[int] | None:
+        """Reserve the blocks for `tokens` tokens beyond the `have` blocks a request already holds
+        (its cache hit); None (and nothing reserved) when they do not fit."""
+        return self._take(self.blocks_for(tokens) - have)
 
     def grow(self, blocks: list[int], tokens: int) -> bool:
         """Extend a block table in place to hold `tokens` tokens; False (nothing taken) if the pool
         lacks the blocks."""
-        n = self.blocks_for(tokens) - len(blocks)
+        got = self._take(self.blocks_for(tokens) - len(blocks))
+        if got is None:
+            return False
+        blocks.extend(got)
+        return True
+
+    def _take(self, n: int) -> list[int] | None:
         if n <= 0:
-            return True
+            return []
         with self._lock:
-            if n > len(self._free):
-                return False
-            blocks.extend(self._free.pop() for _ in range(n))
-            return True
+            got = self.pool.take(n)
+        if got is None:
+            return None
+        blocks, recycled = got
+        self._zero(recycled)  # evicted cached blocks: full of another prefix's keys
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool, zeroed: the unwritten tail of a block's next owner is masked
-        in attention, but a masked inf or NaN left by the previous owner would still turn into
-        NaN (0 * inf) in the softmax-weighted sum."""
+        """Release a request's blocks. Blocks nobody holds any more go back to the pool, zeroed: the
+        unwritten tail of a block's next owner is masked in attention, but a masked inf or NaN left
+        by the previous owner would still turn into NaN (0 * inf) in the softmax-weighted sum.
+        Published blocks stay as they are, cached, until evicted (and zeroed then)."""
+        with self._lock:
+            freed = self.pool.release(blocks)
+        self._zero(freed)
+
+    def _zero(self, blocks: list[int]) -> None:
         if blocks:
             idx = to_device(torch.tensor(blocks, dtype=torch.long), self.device)  # no blocking copy
             self.k.index_fill_(1, idx, 0)
             self.v.index_fill_(1, idx, 0)
+
+    def match(self, hashes: list[bytes], multiple: int = 1) -> list[int]:
+        """The cached blocks of the longest prefix of these chain hashes (a multiple of `multiple`
+        blocks), referenced (see `BlockPool.match`); release them with `free`."""
         with self._lock:
-            self._free.extend(reversed(blocks))
+            return self.pool.match(hashes, multiple)
+
+    def publish(self, block: int, h: bytes) -> bool:
+        with self._lock:
+            return self.pool.publish(block, h)
 
     def usage(self) -> float:
-        """Fraction of blocks reserved, 0.0 to 1.0."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks held by requests, 0.0 to 1.0 (cached blocks nobody holds are free)."""
+        return self.pool.in_use / self.num_blocks
 
     # -- data path
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -98,6 +98,42 @@ class GrammarCollector:
         yield from (compiles, failures, respawns, alive, cached)
 
 
+class PrefixCacheCollector:
+    """The engine's prefix cache, read at scrape time (handler.prefix_cache): queries and hits in prompt
+    tokens (vLLM's convention: hit rate = hits / queries), cached blocks and evictions; also under
+    vLLM's names so its dashboards apply."""
+
+    def __init__(self, handler, model_name: str):
+        self._handler = handler
+        self._model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        engine = getattr(self._handler, "engine", None)
+        if engine is None:
+            return
+        st = engine.stats()
+        for name, help_, value in (
+                ("lorafarm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.prefix_cache_queries),
+                ("lorafarm_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
+                 st.prefix_cache_hits),
+                ("lorafarm_prefix_cache_evictions", "Cached KV blocks evicted for space.", st.prefix_cache_evictions)):
+            m = CounterMetricFamily(name, help_)
+            m.add_metric([], value)
+            yield m
+        blocks = GaugeMetricFamily("lorafarm_prefix_cache_blocks", "KV blocks holding a cached prefix block.")
+        blocks.add_metric([], st.prefix_cache_blocks)
+        yield blocks
+        for name, help_, value in (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.",
+                                    st.prefix_cache_queries),
+                                   ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.",
+                                    st.prefix_cache_hits)):
+            m = CounterMetricFamily(name, help_, labels=["model_name"])
+            m.add_metric([self._model_name], value)
+            yield m
+
+
 class ReplicaMetrics:
     """Every collector the replica exports. Labels: `tier` is where the request's adapter was when the
     request arrived (gpu | ram | disk | remote, `gpu` for base-model requests)."""
@@ -207,6 +243,12 @@ class ReplicaMetrics:
         if not getattr(self, "_grammar_watched", False):
             self.registry.register(GrammarCollector(handler))
             self._grammar_watched = True
+
+    def watch_prefix_cache(self, handler) -> None:
+        """Export the engine's prefix cache counters (read at each scrape)."""
+        if not getattr(self, "_prefix_watched", False):
+            self.registry.register(PrefixCacheCollector(handler, self.vllm.model_name))
+            self._prefix_watched = True
 
     def render(self) -> bytes:
         self.loads_per_min_gauge.set(self.loads_per_min())

@@ -391,15 +391,21 @@ def parse_request(model: type[_SamplingFields], raw: bytes | dict) -> Any:
 # ------------------------------------------------------------------ responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (handler.prefix_cache)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def new_id(kind: str) -> str:
@@ -460,15 +466,15 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_completion(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                    created: int | None = None) -> dict:
+                    created: int | None = None, cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created or now(), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens).model_dump()}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens).model_dump()}
 
 
 def completion(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-               created: int | None = None) -> dict:
+               created: int | None = None, cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created or now(), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens).model_dump()}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens).model_dump()}
 
 
 def chat_chunk(rid: str, model: str, created: int, *, content: str | None = None, role: bool = False,
@@ -495,11 +501,11 @@ def completion_chunk(rid: str, model: str, created: int, *, text: str = "", fini
 
 
 def usage_chunk(kind: str, rid: str, model: str, created: int, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The final chunk under `stream_options.include_usage`: `choices: []` and the usage."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens).model_dump()}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens).model_dump()}
 
 
 def sse(obj: dict) -> bytes:

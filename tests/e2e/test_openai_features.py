@@ -184,3 +184,22 @@ def test_unsupported_parameters_are_400_naming_them(client, alias, extra):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=alias, messages=ask(), max_tokens=4, extra_body=extra)
     assert exc.value.body["code"] == "unsupported_parameter" and exc.value.body["param"] == next(iter(extra))
+
+
+def test_prefix_cache_cached_tokens_through_the_router(client, alias):
+    """A customer's long system prompt sent three times through the router (two replicas): at least
+    two land on one replica, and the later of them reports the cached prompt tokens in the usage,
+    streamed and not, with the same greedy answer."""
+    from lorafarm.dev.adapters import random_prompts
+
+    system = " ".join(random_prompts(seed=31, count=12))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "where is my parcel"}]
+    outs = [client.chat.completions.create(model=alias, messages=msgs, max_tokens=6, temperature=0) for _ in range(2)]
+    stream = client.chat.completions.create(model=alias, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert outs[0].usage.prompt_tokens > 150
+    assert max(outs[1].usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens_details.cached_tokens) >= 128
+    assert outs[1].choices[0].message.content == outs[0].choices[0].message.content == text

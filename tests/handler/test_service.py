@@ -417,3 +417,46 @@ async def test_torchserve_style_handle(replica, service_archives):
     assert out[0]["choices"][0]["message"]["content"] == service_archives.markers[aid]
     assert out[1]["usage"]["completion_tokens"] <= 3
     assert out[2]["error"]["code"] == "model_not_found"
+
+
+async def test_prefix_cache_reports_cached_tokens_per_tenant(replica, service_archives):
+    """The same long system prompt twice from one tenant: the second answer reports the cached prompt
+    tokens (chat and completions, streamed and not) and the same text; another tenant, or another
+    adapter, sending it gets nothing from the cache. The hits show in /metrics."""
+    from lorafarm.dev.adapters import random_prompts
+
+    system = " ".join(random_prompts(seed=21, count=12))
+    aid, other = service_archives.good["c0001"], service_archives.good["c0003"]
+
+    def oai_client(tenant):
+        return AsyncOpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0, timeout=60,
+                           default_headers={"x-lorafarm-tenant": tenant})
+
+    async def chat(tenant, model=aid, question="where is my parcel"):
+        return await oai_client(tenant).chat.completions.create(
+            model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=6, temperature=0)
+
+    first = await chat("acme")
+    assert first.usage.prompt_tokens > 150 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = await chat("acme", question="reset my password")
+    assert again.usage.prompt_tokens_details.cached_tokens >= 128
+    assert (await chat("acme")).choices[0].message.content == first.choices[0].message.content
+    assert (await chat("globex")).usage.prompt_tokens_details.cached_tokens == 0  # another tenant
+    assert (await chat("acme", model=other)).usage.prompt_tokens_details.cached_tokens == 0  # another adapter
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        body = {"model": aid, "prompt": system + " status of my order", "max_tokens": 4, "temperature": 0}
+        hdr = {"x-lorafarm-tenant": "acme"}
+        plain = (await http.post(f"{replica.url}/v1/completions", json=body, headers=hdr)).json()
+        r = await http.post(f"{replica.url}/v1/completions", headers=hdr,
+                            json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        streamed = sse_events(r.text)[-2]["usage"]
+        assert streamed["prompt_tokens_details"]["cached_tokens"] >= 128  # the non-streamed one cached it
+        assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a completion prompt, new
+        text = (await http.get(f"{replica.url}/metrics")).text
+    hits = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("lorafarm_prefix_cache_hits_total")]
+    queries = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("lorafarm_prefix_cache_queries_total")]
+    assert hits and queries and 256 <= hits[0] < queries[0]
+    assert "vllm:prefix_cache_hits_total" in text
