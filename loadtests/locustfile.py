@@ -7,8 +7,9 @@ Run headless by `lorafarm loadtest`, or by hand:
 
 One `FarmClient` user is a dispatcher, not a simulated customer:
 - `--mode open` (default): it sends the seeded workload of loadtests.workload at its arrival
-  times (Poisson at --arrival-rate, Zipf over the models file, log-normal or trace lengths), each
-  request in its own greenlet, so arrivals never wait for answers (open loop);
+  times (Poisson at --arrival-rate, Zipf over the models file, log-normal or trace lengths, a share
+  --system-prompt-share of requests with their adapter's shared system prompt as the chat system
+  message), each request in its own greenlet, so arrivals never wait for answers (open loop);
 - `--mode closed --concurrency C --distinct K`: C greenlets send back to back over the first K
   models (the saturation throughput of K distinct adapters in flight).
 
@@ -17,8 +18,10 @@ Each request fires locust request events named by the tier the replica reported
 output token after the first), ITL (each gap between tokens) and E2E, so locust's own stats and
 CSVs split by tier. Requests sent during the first --warmup seconds are labelled `warmup` and
 kept out of those stats. Every request is also one row of --requests-csv (flushed per row, so an
-interrupted run keeps what it measured), and each replica's /metrics is saved when the measured
-window starts and after the last answer (--metrics-dir), for hit rates, loads and evictions.
+interrupted run keeps what it measured; `cached_tokens` is the replica's
+usage.prompt_tokens_details.cached_tokens, the prompt tokens its prefix cache served), and each
+replica's /metrics is saved when the measured window starts and after the last answer
+(--metrics-dir), for hit rates, loads and evictions, with the machine's load average.
 """
 
 from __future__ import annotations
@@ -36,11 +39,19 @@ import gevent.pool
 from locust import HttpUser, constant, events, task
 from urllib3 import PoolManager
 
-from loadtests.workload import add_workload_arguments, generate, read_trace, spec_from_options, workload_options
+from loadtests.workload import (
+    add_workload_arguments,
+    generate,
+    read_trace,
+    spec_from_options,
+    system_prompt,
+    workload_options,
+)
 
 REQUEST_COLUMNS = [
     "phase", "sent_s", "model", "tier", "replica", "adapter_id", "status", "error", "ttft_s", "tpot_s",
-    "itl_max_s", "e2e_s", "output_tokens", "prompt_tokens", "prompt_words", "max_tokens",
+    "itl_max_s", "e2e_s", "output_tokens", "prompt_tokens", "prompt_words", "max_tokens", "system_words",
+    "cached_tokens",
 ]  # fmt: skip
 
 
@@ -71,8 +82,10 @@ def _scrape(urls: list[str], folder: Path, label: str) -> None:
         machine = Path("/proc/stat").read_text().splitlines()[0]
     except OSError:
         machine = ""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     (folder / f"cpu-{label}.json").write_text(json.dumps({"time": stamp, "proc_stat_cpu": machine,
-                                                          "loadgen_cpu_s": usage.ru_utime + usage.ru_stime}))  # fmt: skip
+                                                          "loadgen_cpu_s": usage.ru_utime + usage.ru_stime,
+                                                          "loadavg": list(load)}))  # fmt: skip
     for i, url in enumerate(urls):
         try:
             with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
@@ -115,10 +128,11 @@ class FarmClient(HttpUser):
             exception=exc, context={},
         )  # fmt: skip
 
-    def chat(self, model: str, prompt: str, max_tokens: int, phase: str) -> None:
+    def chat(self, model: str, prompt: str, max_tokens: int, phase: str, system: str = "") -> None:
+        messages = [{"role": "system", "content": system}] if system else []
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": [*messages, {"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,  # vLLM's extension: outputs follow the length distribution
@@ -129,7 +143,8 @@ class FarmClient(HttpUser):
         sent = time.perf_counter()
         row = {"phase": phase, "sent_s": round(sent - self.t0, 4), "model": model, "tier": "", "replica": "",
                "adapter_id": "", "status": 0, "error": "", "output_tokens": 0, "prompt_tokens": "",
-               "prompt_words": len(prompt.split()), "max_tokens": max_tokens}  # fmt: skip
+               "prompt_words": len(prompt.split()), "max_tokens": max_tokens,
+               "system_words": len(system.split()), "cached_tokens": ""}  # fmt: skip
         first = last = usage_tokens = None
         gaps: list[float] = []
         chunks = 0
@@ -155,8 +170,11 @@ class FarmClient(HttpUser):
                             row["error"] = f"stream_{event['error'].get('code') or event['error'].get('type') or 'error'}"
                             continue
                         if event.get("usage"):
-                            row["prompt_tokens"] = event["usage"].get("prompt_tokens", "")
-                            usage_tokens = event["usage"].get("completion_tokens")
+                            usage = event["usage"]
+                            row["prompt_tokens"] = usage.get("prompt_tokens", "")
+                            usage_tokens = usage.get("completion_tokens")
+                            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                            row["cached_tokens"] = "" if cached is None else cached
                         # a chunk with text, or the finish chunk (tokens that decode to no text yet
                         # send nothing): the first one is the first token the client sees
                         if any(c.get("delta", {}).get("content") or c.get("finish_reason")
@@ -236,13 +254,15 @@ class FarmClient(HttpUser):
             if delay > 0:
                 gevent.sleep(delay)
             phase = "measure" if item.at >= o.warmup else "warmup"
-            pool.spawn(self.chat, item.model, item.prompt, item.max_tokens, phase)
+            pool.spawn(self.chat, item.model, item.prompt, item.max_tokens, phase, item.system)
         pool.join()
 
     def _closed_loop(self) -> None:
         o = self.o
         models = self.models[: max(1, o.distinct)]
-        items = generate(self.models, spec_from_options(workload_options(o), 1.0, 2000.0))  # lengths only: arrival times unused
+        spec = spec_from_options(workload_options(o), 1.0, 2000.0)
+        items = generate(self.models, spec)  # lengths only: arrival times unused
+        systems = {m: system_prompt(m, spec) for m in models} if spec.system_prompt_share > 0 else {}
         end = o.warmup + o.duration
         counter = iter(range(10**9))
 
@@ -253,7 +273,10 @@ class FarmClient(HttpUser):
                 if t >= end:
                     return
                 item = items[n % len(items)]
-                self.chat(models[n % len(models)], item.prompt, item.max_tokens, "measure" if t >= o.warmup else "warmup")
+                model = models[n % len(models)]
+                # the item decided whether a system prompt goes along; the text is the chosen model's own
+                self.chat(model, item.prompt, item.max_tokens, "measure" if t >= o.warmup else "warmup",
+                          systems[model] if item.system else "")  # fmt: skip
 
         gevent.spawn_later(o.warmup, self._start_window)
         workers = [gevent.spawn(worker) for _ in range(o.concurrency)]

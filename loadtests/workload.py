@@ -8,16 +8,25 @@
 - Arrivals are a Poisson process at `rate` (exponential gaps of mean 1 / rate), or the trace's own
   timestamps scaled so their mean rate is `rate`. Open loop: arrival times are fixed before the run
   and never wait for answers, so a slow server sees a growing queue, not fewer requests.
+- Shared system prompts (off by default: share 0): each adapter is one customer with one system
+  prompt of its own, its length in words drawn once per adapter (log-normal, median
+  `system_prompt_words_median`, clipped to [1, cap]) and its text seeded by (seed, adapter), so the
+  same adapter always sends the same words. A share `system_prompt_share` of the requests carries
+  their adapter's system prompt (sent as the chat system message, before the user prompt); the
+  others send the user prompt alone. The share is drawn from its own random stream, so arrivals,
+  adapters and user prompts are the same whatever the share (share 0 is the workload as before).
 
-Seeded: the same arguments give the same workload, so two runs (affinity vs random routing)
-replay identical traffic.
+Seeded: the same arguments give the same workload, so two runs (affinity vs random routing, prefix
+cache on vs off) replay identical traffic.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +40,7 @@ class WorkItem:
     model: str  # alias or adapter id
     prompt: str
     max_tokens: int
+    system: str = ""  # the adapter's shared system prompt, when this request carries it
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,10 @@ class WorkloadSpec:
     max_tokens_sigma: float = 0.5
     max_tokens_cap: int = 64
     seed: int = 0
+    system_prompt_share: float = 0.0  # fraction of requests that carry their adapter's system prompt
+    system_prompt_words_median: int = 200  # per adapter, log-normal
+    system_prompt_words_sigma: float = 0.5
+    system_prompt_words_cap: int = 400
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,12 @@ WORKLOAD_OPTIONS = (
     ("--output-sigma", float, 0.5, "log-normal output tokens: sigma of its log (default 0.5)"),
     ("--output-cap", int, 64, "output tokens at most (default 64)"),
     ("--trace", str, "", "Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens): lengths and gaps"),
+    ("--system-prompt-share", float, 0.0, "fraction of requests that carry their adapter's shared system prompt "
+     "(default 0: none)"),
+    ("--system-prompt-median", float, 200, "log-normal system prompt length in words, drawn once per adapter: "
+     "median (default 200)"),
+    ("--system-prompt-sigma", float, 0.5, "system prompt length: sigma of its log (default 0.5)"),
+    ("--system-prompt-cap", int, 400, "system prompt words at most (default 400)"),
 )
 
 
@@ -96,7 +116,21 @@ def spec_from_options(options: dict, rate: float, duration: float) -> WorkloadSp
     return WorkloadSpec(rate=rate, duration=duration, zipf_s=o["zipf"], seed=o["seed"],
                         prompt_words_median=o["prompt_median"], prompt_words_sigma=o["prompt_sigma"],
                         max_tokens_median=o["output_median"], max_tokens_sigma=o["output_sigma"],
-                        max_tokens_cap=o["output_cap"])  # fmt: skip
+                        max_tokens_cap=o["output_cap"],
+                        system_prompt_share=o.get("system_prompt_share", 0.0),
+                        system_prompt_words_median=o.get("system_prompt_median", 200),
+                        system_prompt_words_sigma=o.get("system_prompt_sigma", 0.5),
+                        system_prompt_words_cap=o.get("system_prompt_cap", 400))  # fmt: skip
+
+
+def check_spec(spec: WorkloadSpec) -> None:
+    """ValueError on shape options no workload can have."""
+    if not 0.0 <= spec.system_prompt_share <= 1.0:
+        raise ValueError(f"system prompt share {spec.system_prompt_share:g}: must be within 0..1")
+    if spec.system_prompt_words_median <= 0 or spec.system_prompt_words_sigma < 0:
+        raise ValueError("system prompt median must be positive and its sigma not negative")
+    if spec.system_prompt_words_cap < 1:
+        raise ValueError(f"system prompt cap {spec.system_prompt_words_cap}: must be at least 1")
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
@@ -137,19 +171,40 @@ def read_trace(path: str | Path) -> list[TraceRow]:
     return [TraceRow(t - t0, c, g) for t, c, g in rows]
 
 
+@functools.lru_cache(maxsize=8)
+def _vocabulary(seed: int) -> tuple[str, ...]:
+    return tuple(" ".join(random_prompts(seed=seed, count=200)).split())
+
+
+def system_prompt(model: str, spec: WorkloadSpec, words: Sequence[str] | None = None) -> str:
+    """`model`'s shared system prompt: the same text for the same (seed, model), whatever else the
+    workload holds. Its length in words is log-normal (spec's median and sigma), within [1, cap]."""
+    rng = random.Random(f"lorafarm-system-prompt:{spec.seed}:{model}")  # str seeds hash with sha512: stable
+    n = _lognormal_int(rng, spec.system_prompt_words_median, spec.system_prompt_words_sigma, 1,
+                       spec.system_prompt_words_cap)  # fmt: skip
+    words = words or _vocabulary(spec.seed)
+    head = f"You are the assistant of customer {model}."
+    body = [rng.choice(words) for _ in range(max(0, n - len(head.split())))]
+    return " ".join((head.split() + body)[:n])
+
+
 def generate(models: list[str], spec: WorkloadSpec, trace: list[TraceRow] | None = None) -> list[WorkItem]:
     """Requests over `models` (most popular first) for `spec.duration` seconds.
 
     Without a trace: Poisson arrivals at spec.rate, log-normal lengths. With one: its rows in order
     (wrapping around), lengths from it (context tokens ~ prompt words, capped), gaps scaled so the
-    mean rate is spec.rate."""
+    mean rate is spec.rate. A share spec.system_prompt_share of the requests carries its adapter's
+    system prompt (`system_prompt`), drawn from a stream of its own (the rest is the same at any share)."""
     if not models:
         raise ValueError("no models to send requests to")
     if spec.rate <= 0 or spec.duration <= 0:
         raise ValueError("rate and duration must be positive")
+    check_spec(spec)
     rng = random.Random(spec.seed)
+    share_rng = random.Random(f"lorafarm-system-share:{spec.seed}")
+    systems: dict[str, str] = {}
     weights = zipf_weights(len(models), spec.zipf_s)
-    words = " ".join(random_prompts(seed=spec.seed, count=200)).split()
+    words = _vocabulary(spec.seed)
     gaps: list[float] = []
     if trace:
         # gap before row j is its distance to row j-1; the first row (and each wrap) gets the mean gap
@@ -174,4 +229,10 @@ def generate(models: list[str], spec: WorkloadSpec, trace: list[TraceRow] | None
             return items
         i += 1
         prompt = " ".join(rng.choice(words) for _ in range(n_words))
-        items.append(WorkItem(t, rng.choices(models, weights)[0], prompt, max_tokens))
+        model = rng.choices(models, weights)[0]
+        system = ""
+        if spec.system_prompt_share > 0 and share_rng.random() < spec.system_prompt_share:
+            if model not in systems:
+                systems[model] = system_prompt(model, spec, words)
+            system = systems[model]
+        items.append(WorkItem(t, model, prompt, max_tokens, system))

@@ -1,8 +1,19 @@
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
-from loadtests.workload import WorkloadSpec, generate, read_trace, zipf_weights
+from loadtests.workload import (
+    WorkloadSpec,
+    add_workload_arguments,
+    generate,
+    read_trace,
+    spec_from_options,
+    system_prompt,
+    workload_flags,
+    workload_options,
+    zipf_weights,
+)
 
 
 def test_same_seed_same_workload():
@@ -69,3 +80,71 @@ def test_no_models_or_no_rate_is_an_error():
         generate([], WorkloadSpec())
     with pytest.raises(ValueError):
         generate(["m"], WorkloadSpec(rate=0))
+
+
+# -- shared system prompts (issue 24) ---------------------------------------------------------
+
+
+def test_system_prompts_are_per_adapter_seeded_and_the_share_is_respected():
+    models = [f"t/synth-{i:05d}:prod" for i in range(200)]
+    spec = WorkloadSpec(rate=100, duration=40, seed=5, system_prompt_share=0.7)
+    items = generate(models, spec)
+    assert items == generate(models, spec)  # two runs replay identical traffic, system prompts included
+    carrying = [i for i in items if i.system]
+    assert len(carrying) / len(items) == pytest.approx(0.7, abs=0.03)  # ~4,000 requests: sd ~0.007
+    by_model: dict[str, set[str]] = {}
+    for i in carrying:
+        by_model.setdefault(i.model, set()).add(i.system)
+    assert all(len(texts) == 1 for texts in by_model.values())  # one system prompt per adapter (customer)
+    texts = {next(iter(t)) for t in by_model.values()}
+    assert len(texts) == len(by_model)  # and no two adapters share one
+    assert all(i.system == system_prompt(i.model, spec) for i in carrying[:50])
+    assert system_prompt(models[0], spec) != system_prompt(models[0], replace(spec, seed=6))
+
+
+def test_share_changes_nothing_but_the_system_prompts():
+    """Arrivals, adapters, user prompts and lengths are the same at any share; share 0 is the
+    workload as before (no system prompts)."""
+    models = [f"m{i}" for i in range(50)]
+    plain = generate(models, WorkloadSpec(seed=3))
+    for share in (0.0, 0.5, 1.0):
+        items = generate(models, WorkloadSpec(seed=3, system_prompt_share=share))
+        assert [replace(i, system="") for i in items] == plain
+        carrying = sum(1 for i in items if i.system)
+        assert carrying == {0.0: 0, 1.0: len(items)}.get(share, carrying)
+    assert all(i.system == "" for i in plain)
+
+
+def test_system_prompt_lengths_follow_the_median_within_the_cap():
+    spec = WorkloadSpec(seed=1, system_prompt_share=1.0, system_prompt_words_median=120,
+                        system_prompt_words_sigma=0.8, system_prompt_words_cap=200)  # fmt: skip
+    lengths = sorted(len(system_prompt(f"a{i}", spec).split()) for i in range(600))
+    assert lengths[len(lengths) // 2] == pytest.approx(120, abs=12)
+    assert 1 <= lengths[0] and lengths[-1] == 200  # sigma 0.8: some adapters hit the cap, none pass it
+    tiny = replace(spec, system_prompt_words_median=1, system_prompt_words_sigma=0.0)
+    assert len(system_prompt("a0", tiny).split()) == 1
+
+
+def test_bad_system_prompt_options_are_errors():
+    for bad in (dict(system_prompt_share=1.5), dict(system_prompt_share=-0.1), dict(system_prompt_words_median=0),
+                dict(system_prompt_words_cap=0)):  # fmt: skip
+        with pytest.raises(ValueError, match="system prompt"):
+            generate(["m"], WorkloadSpec(**bad))
+
+
+def test_workload_options_reach_the_locustfile_parser_unchanged():
+    """`lorafarm loadtest` passes its workload options to the locustfile as flags (workload_flags);
+    the locustfile parses them with the same WORKLOAD_OPTIONS and builds the same spec."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    ours = workload_options(parser.parse_args(["--system-prompt-share", "0.8", "--system-prompt-median", "150",
+                                               "--system-prompt-sigma", "0.3", "--system-prompt-cap", "300",
+                                               "--seed", "9"]))  # fmt: skip
+    theirs = workload_options(parser.parse_args(workload_flags(ours)))
+    assert theirs == ours
+    spec = spec_from_options(theirs, 2.0, 10.0)
+    assert (spec.system_prompt_share, spec.system_prompt_words_median, spec.system_prompt_words_sigma,
+            spec.system_prompt_words_cap, spec.seed) == (0.8, 150, 0.3, 300, 9)  # fmt: skip
+    assert spec_from_options(workload_options(parser.parse_args([])), 1.0, 1.0).system_prompt_share == 0.0
