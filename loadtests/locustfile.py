@@ -228,7 +228,10 @@ class FarmClient(HttpUser):
         if self.rows is not None:
             self._file.close()
             self.rows = None
-        gevent.spawn(self.environment.runner.quit)  # the dispatcher is the whole test
+        # the dispatcher is the whole test, and every request it sent has finished: stop at once (with
+        # --stop-timeout left as is, the runner would wait that long for this task's sleep below)
+        self.environment.stop_timeout = 0
+        gevent.spawn(self.environment.runner.quit)
         gevent.sleep(3600)  # never returns: quit() stops this greenlet
 
     def _start_window(self) -> None:
