@@ -18,6 +18,14 @@ What is real and what is modelled:
   (the seed: 50 ms per decode step of up to 32 rows, 8,000 prefill tokens/s); a request admitted in
   a step gets its first token at the step's end (TTFT = queue + adapter wait + that step) and one
   more token per step after.
+- Modelled: per-tenant shared system prompts and each replica's prefix cache (`PrefixCachePolicy`,
+  pure). Each adapter is one customer with one system prompt (its length log-normal around
+  `system_prompt_tokens`, drawn once per adapter); a share `system_prompt_share` of requests carries
+  it ahead of their own prompt. A request whose adapter's system prompt is cached on its replica
+  prefills only the rest (full blocks of `prefix_block_tokens`, as the replica's paged cache reuses
+  whole blocks); once its prefill step ends the prompt's blocks are cached, kept by reference while
+  the request runs, evicted least recently used beyond `prefix_cache_tokens` per replica.
+  `prefix_cache=False` is a replica started with --no-prefix-cache.
 
 Results exclude the first `warmup_s` seconds (adapters reach their steady tiers first).
 """
@@ -29,7 +37,7 @@ import heapq
 import math
 import random
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -51,6 +59,7 @@ BASE_NAME = "sim-base"
 HOT_ADAPTER = "ad-hot"
 PROMPT_SIGMA = 0.6  # log-normal shapes of loadtests.workload.generate
 OUTPUT_SIGMA = 0.5
+SYSTEM_SIGMA = 0.5  # of the per-adapter system prompt length (loadtests.workload's default)
 TIERS = ("gpu", "ram", "disk", "remote")
 SIM_EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -112,6 +121,11 @@ class SimConfig:
     autoscale: AutoscaleConfig | None = None
     sample_s: float = 10.0  # time series resolution
     progress: bool = False
+    system_prompt_share: float = 0.0  # share of requests carrying their adapter's system prompt (0: none)
+    system_prompt_tokens: float = 500.0  # mean system prompt length (per adapter, log-normal)
+    prefix_cache: bool = True  # False: replicas started with --no-prefix-cache
+    prefix_cache_tokens: int = 32_000  # cached prefix tokens kept per replica (half the seed's 32 x 2,000 KV)
+    prefix_block_tokens: int = 16  # the replica's KV block: only whole blocks are reused
 
     def check(self) -> None:
         if self.replicas < 1 or self.adapters < 1 or self.rate < 0 or self.duration <= 0:
@@ -122,16 +136,97 @@ class SimConfig:
             raise ValueError(f"routing must be affinity or random, not {self.routing!r}")
         if self.warmup_s >= self.duration:
             raise ValueError("warmup_s must be shorter than the duration")
+        if not 0.0 <= self.system_prompt_share <= 1.0:
+            raise ValueError("system_prompt_share must be within 0..1")
+        if self.system_prompt_tokens < 1 and self.system_prompt_share > 0:
+            raise ValueError("system_prompt_tokens must be >= 1")
+        if self.prefix_cache_tokens < 0 or self.prefix_block_tokens < 1:
+            raise ValueError("prefix_cache_tokens must be >= 0 and prefix_block_tokens >= 1")
+
+
+class PrefixCachePolicy:
+    """One replica's prefix cache, as a policy (pure: no clock, no simulation; tested alone).
+
+    Entries are keyed by (adapter: one customer) and hold the whole blocks of that key's shared prefix;
+    `lookup` answers how many prompt tokens are served from the cache (0 on a miss, and always when
+    disabled), `insert` keeps a prefix once computed, evicting least recently used entries that no
+    running request references (`pin` / `unpin`) until `capacity_tokens` hold it; a prefix that does
+    not fit beside the referenced ones is not kept. Counters in prompt tokens, like the replica's
+    lorafarm_prefix_cache_queries_total / _hits_total."""
+
+    def __init__(self, capacity_tokens: int, block_tokens: int = 16, enabled: bool = True):
+        if capacity_tokens < 0 or block_tokens < 1:
+            raise ValueError("capacity_tokens must be >= 0 and block_tokens >= 1")
+        self.capacity_tokens, self.block_tokens, self.enabled = capacity_tokens, block_tokens, enabled
+        self.entries: OrderedDict[str, int] = OrderedDict()  # key -> cached tokens, least recent first
+        self.refs: dict[str, int] = defaultdict(int)
+        self.used_tokens = 0
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # prompt tokens served from the cache
+        self.evictions = 0
+
+    def blocks_of(self, tokens: int) -> int:
+        """Tokens in the whole blocks of a `tokens`-long prefix (the part a cache can reuse)."""
+        return tokens // self.block_tokens * self.block_tokens
+
+    def lookup(self, key: str | None, prompt_tokens: int, prefix_tokens: int = 0) -> int:
+        """Prompt tokens of this request served from the cache; counts the query (all its prompt tokens)."""
+        self.queries += prompt_tokens
+        if not self.enabled or key is None or key not in self.entries:
+            return 0
+        cached = min(self.entries[key], self.blocks_of(min(prefix_tokens, prompt_tokens)))
+        self.entries.move_to_end(key)
+        self.hits += cached
+        return cached
+
+    def pin(self, key: str) -> None:
+        self.refs[key] += 1
+
+    def unpin(self, key: str) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] <= 0:
+            del self.refs[key]
+
+    def insert(self, key: str, prefix_tokens: int) -> bool:
+        """Keep `key`'s prefix (whole blocks); True when it is cached afterwards."""
+        size = self.blocks_of(prefix_tokens)
+        if not self.enabled or size <= 0:
+            return False
+        have = self.entries.get(key, 0)
+        if have >= size:
+            self.entries.move_to_end(key)
+            return True
+        victims = []
+        free = self.capacity_tokens - self.used_tokens + have
+        for k, tokens in self.entries.items():  # least recent first
+            if free >= size:
+                break
+            if k != key and not self.refs.get(k):
+                victims.append(k)
+                free += tokens
+        if free < size:
+            return key in self.entries  # no room beside the referenced prefixes: nothing evicted
+        for k in victims:
+            self.used_tokens -= self.entries.pop(k)
+            self.evictions += 1
+        self.used_tokens += size - have
+        self.entries[key] = size
+        self.entries.move_to_end(key)
+        return True
 
 
 class Req:
-    __slots__ = ("arrival", "adapter", "rank", "prompt", "output", "est", "replica", "tier", "ttft", "hot")
+    __slots__ = ("arrival", "adapter", "rank", "prompt", "output", "est", "replica", "tier", "ttft", "hot", "system",
+                 "cached")
 
-    def __init__(self, arrival: float, adapter: str, rank: int, prompt: int, output: int, hot: bool = False):
+    def __init__(self, arrival: float, adapter: str, rank: int, prompt: int, output: int, hot: bool = False,
+                 system: int = 0):
         self.arrival = arrival
         self.adapter = adapter
         self.rank = rank
-        self.prompt = prompt
+        self.prompt = prompt  # all prompt tokens, the system prompt's included
+        self.system = system  # of which the adapter's shared system prompt (0: none)
+        self.cached = 0  # prompt tokens its replica's prefix cache served
         self.output = output
         self.est = prompt + output  # the router's cost estimate (prompt + max_tokens)
         self.replica = ""
@@ -165,6 +260,7 @@ class SimReplica:
         self.busy_time = 0.0
         self.served_tokens = 0
         self._seq = 0
+        self.prefix = PrefixCachePolicy(c.prefix_cache_tokens, c.prefix_block_tokens, enabled=c.prefix_cache)
         self.env.process(self._loop())
 
     # -- state the router polls --------------------------------------------------------------
@@ -250,6 +346,8 @@ class SimReplica:
             waiters, self.slot_waiters = self.slot_waiters, deque()
             for w in waiters:
                 self._follow(w, self.policy.acquire(w.adapter, w.rank, self.cfg.adapter_bytes, retry=True))
+        if req.system:
+            self.prefix.unpin(req.adapter)
         self.served_tokens += req.output
         self.sim.finished(req)
 
@@ -268,7 +366,11 @@ class SimReplica:
             while self.ready and len(admitted) < room:
                 r = self.ready.popleft()
                 admitted.append(r)
-                prefill += r.prompt
+                # a cached system prompt is not prefilled again: only the rest of the prompt is
+                r.cached = self.prefix.lookup(r.adapter if r.system else None, r.prompt, r.system)
+                if r.system:
+                    self.prefix.pin(r.adapter)
+                prefill += r.prompt - r.cached
             rows = len(self.running) + len(admitted)
             dt = c.decode_step_s + c.decode_step_per_row_s * rows + prefill / c.prefill_tokens_per_s
             yield env.timeout(dt)
@@ -276,6 +378,8 @@ class SimReplica:
             self.busy_time += dt
             now = env.now
             for r in admitted:
+                if r.system:  # its prompt's KV now exists: the shared prefix is kept for the next ones
+                    self.prefix.insert(r.adapter, r.system)
                 r.ttft = now - r.arrival
                 finish = self.step + r.output - 1
                 self._seq += 1
@@ -308,6 +412,9 @@ class SimResult:
     replica_requests: dict[str, int]  # requests per replica (measured window)
     replica_busy: dict[str, float]  # share of the time each replica ran steps
     output_tokens_per_s: float
+    prefix_hit_rate: float  # prompt tokens served by the prefix caches / prompt tokens (measured window)
+    prefix_request_hit_rate: float  # of the requests carrying a system prompt, those that found it cached
+    prefix_evictions: int  # prefix cache entries evicted, all replicas, whole run
     cost_per_h: float
     cost_per_m_tokens: float  # prompt + output
     cost_per_m_output_tokens: float
@@ -346,6 +453,7 @@ class Simulation:
         self.series: dict[str, list] = defaultdict(list)
         self._window_ttft: list[float] = []
         self._metric_samples: deque = deque()  # (t, mean queue depth, mean tokens in flight)
+        self.system_tokens: dict[str, int] = {}  # adapter -> its system prompt's length (drawn once)
         self.hpa = None
         if cfg.autoscale is not None:
             from loadtests.autoscale import Hpa
@@ -360,6 +468,17 @@ class Simulation:
         if not ranks or adapter_id == HOT_ADAPTER:
             return ranks[0] if ranks else self.cfg.rank
         return ranks[int(adapter_id[3:]) % len(ranks)]
+
+    def system_of(self, adapter_id: str) -> int:
+        """The adapter's system prompt length in tokens: log-normal with mean system_prompt_tokens, drawn
+        once per adapter from (seed, adapter) alone, at most half of max_request_tokens."""
+        n = self.system_tokens.get(adapter_id)
+        if n is None:
+            c = self.cfg
+            med = max(1, round(c.system_prompt_tokens * math.exp(-SYSTEM_SIGMA**2 / 2)))
+            rng = random.Random(f"sim-system-prompt:{c.seed}:{adapter_id}")
+            n = self.system_tokens[adapter_id] = _lognormal_int(rng, med, SYSTEM_SIGMA, 1, c.max_request_tokens // 2)
+        return n
 
     # -- fleet membership (registry table -> the router's view) ------------------------------
 
@@ -441,6 +560,7 @@ class Simulation:
     def _arrivals(self, hot: bool):
         c = self.cfg
         rng = random.Random(c.seed + 7) if hot else self.rng
+        share_rng = random.Random(c.seed + (13 if hot else 11))  # its own stream: share 0 changes nothing else
         p_med = max(1, round(c.prompt_tokens * math.exp(-PROMPT_SIGMA**2 / 2)))
         o_med = max(1, round(c.output_tokens * math.exp(-OUTPUT_SIGMA**2 / 2)))
         peak = c.hot_tokens_per_s / c.output_tokens if hot else c.rate
@@ -471,7 +591,14 @@ class Simulation:
                 prompt = _lognormal_int(rng, p_med, PROMPT_SIGMA, 1, c.max_request_tokens - 1)
                 output = _lognormal_int(rng, o_med, OUTPUT_SIGMA, 1, c.max_request_tokens - prompt)
             aid = HOT_ADAPTER if hot else self.adapter_ids[min(bisect.bisect(self.cum, rng.random()), c.adapters - 1)]
-            self.route(Req(self.env.now, aid, self.rank_of(aid), prompt, output, hot))
+            system = 0
+            if c.system_prompt_share > 0 and share_rng.random() < c.system_prompt_share:
+                # the system prompt goes ahead of the request's own prompt, within max_request_tokens
+                system = self.system_of(aid)
+                prompt = min(prompt, c.max_request_tokens - 1 - system)
+                output = min(output, c.max_request_tokens - system - prompt)
+                prompt += system
+            self.route(Req(self.env.now, aid, self.rank_of(aid), prompt, output, hot, system))
 
     def route(self, req: Req) -> None:
         k = self.owners_k.get(req.adapter, self.cfg.owners_k)
@@ -620,6 +747,8 @@ class Simulation:
         mean_reps = self.replica_seconds / max(1e-9, self.series["t"][-1]) if self.series["t"] else c.replicas
         cost_per_h = mean_reps * c.gpu_price_per_h
         hours = measured_s / 3600
+        prompt_tokens = sum(r.prompt for r in done)
+        with_system = [r for r in done if r.system]
         hot = None
         if c.hot_tokens_per_s > 0:
             hx = np.array([r.ttft for r in done if r.hot])
@@ -645,6 +774,10 @@ class Simulation:
             replica_requests=dict(sorted(per_rep.items())),
             replica_busy={r.rid: r.busy_time / (c.duration + 120.0) for r in self.all_replicas},
             output_tokens_per_s=out_tokens / measured_s,
+            prefix_hit_rate=sum(r.cached for r in done) / prompt_tokens if prompt_tokens else math.nan,
+            prefix_request_hit_rate=(sum(1 for r in with_system if r.cached) / len(with_system)
+                                     if with_system else math.nan),
+            prefix_evictions=sum(r.prefix.evictions for r in self.all_replicas),
             cost_per_h=cost_per_h,
             cost_per_m_tokens=cost_per_h * hours / (all_tokens / 1e6) if all_tokens else math.inf,
             cost_per_m_output_tokens=cost_per_h * hours / (out_tokens / 1e6) if out_tokens else math.inf,

@@ -12,7 +12,8 @@ import math
 
 from lorafarm.errors import CliError
 
-SWEEPABLE = ("replicas", "slots", "rate", "adapters", "zipf_s", "hot_tokens_per_s", "owners_k")
+SWEEPABLE = ("replicas", "slots", "rate", "adapters", "zipf_s", "hot_tokens_per_s", "owners_k", "system_prompt_share",
+             "prefix_cache_tokens")
 
 
 def _load_ms(text: str) -> dict[str, float]:
@@ -53,6 +54,8 @@ def config_from_args(args: argparse.Namespace):
               decode_step_s=args.decode_step_s, decode_step_per_row_s=args.decode_step_per_row_s,
               prefill_tokens_per_s=args.prefill_tokens_per_s, max_batch=args.max_batch,
               load_threshold_tokens=args.load_threshold_tokens, owners_k=args.owners_k,
+              system_prompt_share=args.system_prompt_share, system_prompt_tokens=args.system_prompt_tokens,
+              prefix_cache=not args.no_prefix_cache, prefix_cache_tokens=args.prefix_cache_tokens,
               progress=not args.json and not args.quiet)
     if args.ram_adapters is not None:
         kw["ram_adapters"] = args.ram_adapters
@@ -71,9 +74,14 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _line(r) -> str:
+    prefix = ""
+    if r.config.get("system_prompt_share"):
+        prefix = (f"prefix hit {100 * r.prefix_hit_rate:.1f}% of prompt tokens "
+                  f"({100 * r.prefix_request_hit_rate:.1f}% of system-prompt requests"
+                  + ("" if r.config.get("prefix_cache") else ", cache off") + ")  ")
     return (f"replicas {r.replicas} (mean {r.mean_replicas:.1f})  requests {r.requests}  "
             f"TTFT p50 {r.p50_ttft_s:.3f} s  p95 {r.p95_ttft_s:.3f} s  device hit {100 * r.device_hit_rate:.1f}%  "
-            f"evictions/min {r.evictions_per_min:.1f}  cost/M tokens {r.cost_per_m_tokens:.3f} USD  "
+            f"{prefix}evictions/min {r.evictions_per_min:.1f}  cost/M tokens {r.cost_per_m_tokens:.3f} USD  "
             f"(wall {r.wall_s:.1f} s)")
 
 
@@ -154,6 +162,14 @@ def register(sub) -> None:
                    help="arrival gaps (scaled to --rate) and lengths from an Azure LLM trace CSV "
                         "(TIMESTAMP,ContextTokens,GeneratedTokens; loadtests.workload.read_trace)")
     p.add_argument("--hot-tokens-per-s", type=float, default=0.0, help="add a hot tenant at this many output tok/s")
+    p.add_argument("--system-prompt-share", type=float, default=0.0,
+                   help="share of requests carrying their adapter's shared system prompt (default 0: none)")
+    p.add_argument("--system-prompt-tokens", type=float, default=500.0,
+                   help="mean system prompt tokens, drawn once per adapter (log-normal; default 500), added to the "
+                        "request's own prompt")
+    p.add_argument("--no-prefix-cache", action="store_true", help="replicas without a prefix cache")
+    p.add_argument("--prefix-cache-tokens", type=int, default=32_000,
+                   help="prefix tokens each replica's cache keeps, LRU (default 32000)")
     p.add_argument("--diurnal", type=float, default=None, metavar="PERIOD_S",
                    help="rate follows a day compressed into PERIOD_S seconds (25%% .. 100%% of --rate)")
     p.add_argument("--autoscale", action="store_true", help="HPA on queue depth and tokens in flight (deploy/)")
