@@ -3,6 +3,7 @@
     lorafarm loadtest [--url URL --key KEY | --farm farm.json | --replicas N --adapters N --slots S[,S...]]
                       [--rates R1,R2,...] [--duration S] [--warmup S] [--zipf A] [--routing affinity|random]
                       [--ab [--ab-routings A,B] [--ab-rate R]] [--throughput] [--out DIR]
+                      [--system-prompt-share F [--system-prompt-median W]] [--ab-prefix-cache]
     lorafarm loadtest --report-from DIR [--to docs]        # re-render a run's report (into docs/)
 
 With neither --url nor --farm it starts a farm (registry, router, replicas: `lorafarm.farm.Farm`)
@@ -15,6 +16,14 @@ affinity,random), each on a fresh farm at the smallest --slots: affinity (the ro
 warm/owner classes ordered by expected TTFT), class-order (warm/owner classes in the fixed order
 gpu > ram > disk > owner: `lorafarm router --score class-order`, the rule before issue 13) and
 random (`--strategy random --no-affinity`).
+
+--ab-prefix-cache replaces the --slots sweeps by two sweeps of --rates over the same seeded workload,
+each on a fresh farm at the (one) --slots value: `prefix-on` (the replicas' prefix cache, their
+default) first, then `prefix-off` (every replica started with `lorafarm replica --no-prefix-cache`).
+It needs shared system prompts (--system-prompt-share > 0). The report adds p95 TTFT per rate with
+and without the cache, the highest rate each sustains (p95 TTFT < 1 s, zero errors), the prefix hit
+rate from the replicas' lorafarm_prefix_cache_{queries,hits}_total (prompt tokens) and the cached
+share of prompt tokens the answers reported (usage.prompt_tokens_details.cached_tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ ROUTING_ARGS = {"affinity": [], "class-order": ["--score", "class-order"],
                 "random": ["--strategy", "random", "--no-affinity"]}
 THROUGHPUT_DISTINCT = (1, 8, 32)
 TENANT = "loadtest"
+NO_PREFIX_CACHE = "--no-prefix-cache"  # the replica's flag (handler/cli.py)
+PREFIX_AB_RUNS = (("prefix-on", True), ("prefix-off", False))  # run name, replicas' prefix cache on
 
 
 def _floats(value: str) -> list[float]:
@@ -91,6 +102,24 @@ def _check(args: argparse.Namespace) -> None:
     if (args.url or args.farm) and (args.ab or args.routing != "affinity" or len(args.slots) > 1):
         raise CliError("--ab, --routing other than affinity and several --slots need a farm this command starts "
                        "(drop --url/--farm)")  # fmt: skip
+    if args.ab_prefix_cache:
+        if args.url or args.farm:
+            raise CliError("--ab-prefix-cache needs a farm this command starts (drop --url/--farm)")
+        if args.ab:
+            raise CliError("--ab-prefix-cache and --ab each start their own farms: run them one at a time")
+        if len(args.slots) > 1:
+            raise CliError(f"--ab-prefix-cache takes one --slots value, not {','.join(map(str, args.slots))}")
+        if args.system_prompt_share <= 0:
+            raise CliError("--ab-prefix-cache needs --system-prompt-share > 0 (without shared system prompts "
+                           "there is nothing for the prefix cache to reuse)")  # fmt: skip
+        if any(a.split("=")[0] == NO_PREFIX_CACHE for a in args.replica_arg):
+            raise CliError(f"--ab-prefix-cache sets {NO_PREFIX_CACHE} itself: drop it from --replica-arg")
+    from loadtests.workload import check_spec, spec_from_options, workload_options
+
+    try:
+        check_spec(spec_from_options(workload_options(args), 1.0, 1.0))
+    except ValueError as e:
+        raise CliError(f"workload: {e}") from None
     if args.trace and not Path(args.trace).is_file():
         raise CliError(f"--trace {args.trace}: no such file")
     if args.trace:
@@ -161,8 +190,9 @@ class _Session:
             raise CliError(f"the router at {url} lists no adapters for this key")
         return Target(url, key, models, replicas, bases[0] if bases else "")
 
-    def start_farm(self, slots: int, routing: str | None = None):
-        """(Re)start the farm with `slots` device slots per rank pool; synthetic adapters uploaded once."""
+    def start_farm(self, slots: int, routing: str | None = None, prefix_cache: bool = True):
+        """(Re)start the farm with `slots` device slots per rank pool (and the replicas' prefix cache
+        off when `prefix_cache` is false); synthetic adapters uploaded once."""
         import asyncio
 
         from loadtests.runner import Target
@@ -172,7 +202,7 @@ class _Session:
         a = self.args
         if self.farm is not None:
             self.farm.stop()
-        replica_args = ["--slots", str(slots), *a.replica_arg]
+        replica_args = ["--slots", str(slots), *a.replica_arg, *([] if prefix_cache else [NO_PREFIX_CACHE])]
         for attempt in range(3):  # a port found free can be taken by another program before we bind it
             self.farm = Farm(Path(a.state_dir), replicas=a.replicas, ports=FarmPorts.free(a.replicas),
                              demo_adapters=0, replica_args=replica_args, router_args=ROUTING_ARGS[routing or a.routing],
@@ -233,14 +263,19 @@ def _step_rows(run: str, rate: float, csv_path: Path, metrics_dir: Path, meta: d
                      "adapters": meta["adapters"], "routing": meta["routing"], "zipf": meta["zipf"],
                      "prompt_median_words": meta["prompt_median"], "prompt_sigma": meta["prompt_sigma"],
                      "output_median_tokens": meta["output_median"], "output_sigma": meta["output_sigma"],
-                     "output_cap": meta["output_cap"], "warmup_s": meta["warmup"], "duration_s": meta["duration"]})  # fmt: skip
+                     "output_cap": meta["output_cap"], "warmup_s": meta["warmup"], "duration_s": meta["duration"],
+                     "prefix_cache": meta.get("prefix_cache", "on"),
+                     "system_prompt_share": meta.get("system_prompt_share", 0.0),
+                     "system_prompt_median_words": meta.get("system_prompt_median", "")})  # fmt: skip
     return rows
 
 
 def _say_step(name: str, row: dict) -> None:
+    prefix = row.get("prefix_hit_rate", math.nan)
     print(f"lorafarm loadtest: {name}: {row['requests']} requests, {row['errors']} errors, TTFT p50 "
           f"{row['ttft_p50_ms']:.0f} ms p95 {row['ttft_p95_ms']:.0f} ms, device hit "
-          f"{100 * row['device_hit_rate']:.1f}%, evictions/min {row['evictions_per_min']:.1f}", file=sys.stderr)  # fmt: skip
+          f"{100 * row['device_hit_rate']:.1f}%, evictions/min {row['evictions_per_min']:.1f}"
+          + ("" if math.isnan(prefix) else f", prefix hit {100 * prefix:.1f}%"), file=sys.stderr)  # fmt: skip
 
 
 def _loadtest(args: argparse.Namespace) -> int:
@@ -279,18 +314,25 @@ def _loadtest(args: argparse.Namespace) -> int:
         meta["synth"] = session.synth_line
         (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
+    if not starts_farm:
+        sweeps = [("sweep", None, True)]
+    elif args.ab_prefix_cache:  # the same seeded replay with the replicas' prefix cache on, then off
+        sweeps = [(run, args.slots[0], on) for run, on in PREFIX_AB_RUNS]
+    else:
+        sweeps = [(f"slots{slots}", slots, True) for slots in args.slots]
     try:
         target = None if starts_farm else session.external_target()
-        for slots in args.slots if starts_farm else [None]:
+        for run, slots, prefix_on in sweeps:
             if starts_farm:
-                target = session.start_farm(slots)
-            run = f"slots{slots}" if starts_farm else "sweep"
+                target = session.start_farm(slots, prefix_cache=prefix_on)
             meta["adapters"] = len(target.models)
             step_meta = {"replicas": args.replicas if starts_farm else len(target.replica_urls) or "?",
                          "slots": slots if starts_farm else "?", "adapters": len(target.models),
                          "routing": args.routing if starts_farm else "as configured", "zipf": args.zipf,
-                         "warmup": args.warmup, "duration": args.duration, **workload}  # fmt: skip
-            meta["runs"][run] = {k: step_meta[k] for k in ("replicas", "slots", "routing", "adapters")}
+                         "warmup": args.warmup, "duration": args.duration,
+                         "prefix_cache": ("on" if prefix_on else "off") if starts_farm else "as configured",
+                         **workload}  # fmt: skip
+            meta["runs"][run] = {k: step_meta[k] for k in ("replicas", "slots", "routing", "adapters", "prefix_cache")}
             save_meta()
             for rate in args.rates:
                 name = f"{run}-{rate:g}"
@@ -300,7 +342,7 @@ def _loadtest(args: argparse.Namespace) -> int:
                 append_csv(out / "sweep.csv", rows)
                 _say_step(name, rows[0])
         if args.throughput:
-            if starts_farm and (session.farm is None or len(args.slots) > 1):
+            if starts_farm and (session.farm is None or len(args.slots) > 1 or args.ab_prefix_cache):
                 target = session.start_farm(args.slots[0])  # the first (roomiest) --slots value
             base = None
             points = [("base model", [target.base_model])] if target.base_model else []
@@ -381,6 +423,10 @@ def register(sub) -> None:
                    help=f"A/B variants, each on a fresh farm ({', '.join(sorted(ROUTING_ARGS))}; "
                         "default affinity,random)")
     g.add_argument("--ab-rate", type=float, default=None, help="A/B rate (default: highest passing swept rate)")
+    g.add_argument("--ab-prefix-cache", action="store_true",
+                   help="prefix cache A/B: the --rates sweep on a farm with the replicas' prefix cache, then on one "
+                        f"started with `lorafarm replica {NO_PREFIX_CACHE}` (same seeded replay; needs "
+                        "--system-prompt-share > 0)")  # fmt: skip
     g.add_argument("--throughput", action="store_true", help="closed loop: base model vs 1, 8, 32 adapters")
     g.add_argument("--concurrency", type=int, default=32, help="throughput: requests in flight (default 32)")
     g.add_argument("--throughput-duration", type=float, default=20.0, help="measured seconds per point (20)")

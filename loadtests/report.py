@@ -1,5 +1,7 @@
 """The load test's report, rebuilt from the CSVs in a results folder (so it can be regenerated):
 sweep.csv (one row per step and group: all, then each tier), ab.csv, throughput.csv, meta.json.
+A prefix cache A/B (`--ab-prefix-cache`: sweeps `prefix-on` and `prefix-off` in sweep.csv) gets a
+section of its own comparing the two.
 
 Writes report.md and three plots (matplotlib, PNG): TTFT p95 vs rate by tier, hit rates vs rate,
 and the TTFT CDF of each step.
@@ -75,6 +77,10 @@ def _sweep_table(sweep: list[dict], run: str) -> list[str]:
     head = ["rate req/s", "sent req/s", "requests", "errors", "TTFT p50", "TTFT p95", "TTFT p99"]
     head += [f"{t} p50/p95 (n)" for t in tiers]
     head += ["TPOT p50/p95", "device hit", "RAM hit", "loads/min", "evictions/min", "CPU busy", "errors by kind"]
+    prefix = any(not math.isnan(_f(g["all"].get("prefix_hit_rate"))) or not math.isnan(_f(g["all"].get("cached_share")))
+                 for g in by_step.values() if "all" in g)  # fmt: skip
+    if prefix:  # only where the replicas or the answers reported a prefix cache
+        head[-1:-1] = ["prefix hit", "cached share"]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for (_, rate), g in by_step.items():
         a = g["all"]
@@ -86,7 +92,52 @@ def _sweep_table(sweep: list[dict], run: str) -> list[str]:
         cells += [f"{_ms(a['tpot_p50_ms'])}/{_ms(a['tpot_p95_ms'])}", _pct(a["device_hit_rate"]),
                   _pct(a["ram_hit_rate"]), _num(a["loads_per_min"]), _num(a["evictions_per_min"]),
                   _pct(a.get("cpu_busy")), a.get("errors_by_kind") or "none"]  # fmt: skip
+        if prefix:
+            cells[-1:-1] = [_pct(a.get("prefix_hit_rate")), _pct(a.get("cached_share"))]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def prefix_ab_lines(sweep: list[dict], meta: dict) -> list[str]:
+    """The prefix cache A/B section (sweeps prefix-on and prefix-off), or nothing without both."""
+    by_step = steps(sweep)
+    on = {rate: g["all"] for (r, rate), g in by_step.items() if r == "prefix-on" and "all" in g}
+    off = {rate: g["all"] for (r, rate), g in by_step.items() if r == "prefix-off" and "all" in g}
+    if not on or not off:
+        return []
+    w = meta.get("workload", {})
+    lines = ["## Prefix cache A/B (same seeded replay)", "",
+             f"Each sweep on a fresh farm: `prefix-on` (the replicas' default) first, then `prefix-off` (replicas "
+             f"started with `--no-prefix-cache`); {_pct(w.get('system_prompt_share'))} of requests carry their "
+             f"adapter's system prompt (log-normal, median {_f(w.get('system_prompt_median')):g} words, sigma "
+             f"{w.get('system_prompt_sigma')}, cap {w.get('system_prompt_cap')}).", "",
+             "| rate req/s | requests on/off | errors on/off | TTFT p50 on | TTFT p50 off | TTFT p95 on | TTFT p95 off "
+             "| p95 on/off | prefix hit (on) | cached share on/off | load avg on/off |",
+             "| ---: |" + " ---: |" * 10]  # fmt: skip
+    for rate in sorted(set(on) | set(off)):
+        a, b = on.get(rate, {}), off.get(rate, {})
+        ratio = _f(a.get("ttft_p95_ms")) / _f(b.get("ttft_p95_ms")) if _f(b.get("ttft_p95_ms")) else math.nan
+
+        def load(row: dict) -> str:
+            return f"{_num(row.get('load_start'))}-{_num(row.get('load_end'))}" if row else "-"
+
+        lines.append(f"| {_num(rate, 2)} | {a.get('requests', '-')}/{b.get('requests', '-')} | "
+                     f"{a.get('errors', '-')}/{b.get('errors', '-')} | {_ms(a.get('ttft_p50_ms'))} | "
+                     f"{_ms(b.get('ttft_p50_ms'))} | {_ms(a.get('ttft_p95_ms'))} | {_ms(b.get('ttft_p95_ms'))} | "
+                     f"{_num(ratio, 2)} | {_pct(a.get('prefix_hit_rate'))} | {_pct(a.get('cached_share'))}/"
+                     f"{_pct(b.get('cached_share'))} | {load(a)} / {load(b)} |")  # fmt: skip
+    best_on, best_off = highest_ok_rate(sweep, "prefix-on"), highest_ok_rate(sweep, "prefix-off")
+
+    def best(x: float | None) -> str:
+        return "none of the rates swept" if x is None else f"{x:g} req/s"
+
+    lines += ["", f"**Highest rate with p95 TTFT < 1 s and zero errors: {best(best_on)} with the prefix cache, "
+              f"{best(best_off)} without.**", "",
+              "TTFT in ms. Prefix hit: prompt tokens served from the prefix cache over prompt tokens looked up, "
+              "from the replicas' lorafarm_prefix_cache_hits_total / lorafarm_prefix_cache_queries_total over the "
+              "measured window. Cached share: the sum of the answers' usage.prompt_tokens_details.cached_tokens "
+              "over the sum of their prompt_tokens. Load avg: the machine's 1-minute load average at the window's "
+              "start-end.", ""]  # fmt: skip
     return lines
 
 
@@ -130,8 +181,9 @@ def plot_all(results: Path, sweep: list[dict], ab: list[dict]) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, run in enumerate(runs):
-        for key, label in (("device_hit_rate", "device"), ("ram_hit_rate", "RAM (of misses)")):
-            pts = [(rate, _f(g["all"][key])) for (r, rate), g in by_step.items() if r == run and "all" in g]
+        for key, label in (("device_hit_rate", "device"), ("ram_hit_rate", "RAM (of misses)"),
+                           ("prefix_hit_rate", "prefix cache (prompt tokens)")):
+            pts = [(rate, _f(g["all"].get(key))) for (r, rate), g in by_step.items() if r == run and "all" in g]
             pts = [(x, y) for x, y in pts if not math.isnan(y)]
             if pts:
                 ax.plot(*zip(*pts), styles[i % len(styles)], marker="o", label=f"{run}: {label}")
@@ -140,7 +192,7 @@ def plot_all(results: Path, sweep: list[dict], ab: list[dict]) -> list[str]:
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("offered rate (requests/s)")
     ax.set_ylabel("hit rate")
-    ax.set_title("adapter cache hit rates (replicas' /metrics)")
+    ax.set_title("adapter (and prefix) cache hit rates (replicas' /metrics)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     names.append(_save(fig, results, "hit_rate.png"))
@@ -185,6 +237,10 @@ def render(results: Path, assets: str = "") -> str:
         f"sigma {w.get('prompt_sigma')}), outputs log-normal (median {w.get('output_median')} tokens, sigma "
         f"{w.get('output_sigma')}, cap {w.get('output_cap')}, `ignore_eos`)"
         + (f", lengths and gaps from trace {w['trace']}" if w.get("trace") else "")
+        + (f"; {_pct(w['system_prompt_share'])} of requests carry their adapter's shared system prompt as the chat "
+           f"system message (one per adapter, seeded; log-normal, median {_f(w.get('system_prompt_median')):g} words, "
+           f"sigma {w.get('system_prompt_sigma')}, cap {w.get('system_prompt_cap')})"
+           if _f(w.get("system_prompt_share")) > 0 else "")
         + f"; each step {meta.get('warmup')} s warm-up then {meta.get('duration')} s measured. Streamed "
         "chat completions through the router; tiers from the `x-adapter-tier` header.",
         "",
@@ -196,7 +252,8 @@ def render(results: Path, assets: str = "") -> str:
         lines += [f"## Sweep `{run}`", ""]
         if info:
             lines += [f"{info.get('replicas')} replicas, {info.get('slots')} device slots per rank pool, "
-                      f"routing {info.get('routing')}.", ""]  # fmt: skip
+                      f"routing {info.get('routing')}"
+                      + (f", prefix cache {info['prefix_cache']}" if info.get("prefix_cache") else "") + ".", ""]  # fmt: skip
         lines += _sweep_table(sweep, run)
         best = highest_ok_rate(sweep, run)
         lines += ["", f"**Highest rate with p95 TTFT < 1 s and zero errors: "
@@ -205,6 +262,7 @@ def render(results: Path, assets: str = "") -> str:
                   "misses served from host RAM; loads and evictions are device-slot loads/evictions per minute "
                   "summed over the replicas. CPU busy: the whole machine's CPU use over the window (all cores, "
                   "/proc/stat), everything included (farm, load generator, other jobs).", ""]  # fmt: skip
+    lines += prefix_ab_lines(sweep, meta)
     if ab:
         lines += ["## Routing A/B (same seeded replay)", "",
                   "| routing | rate | requests | errors | TTFT p50 | TTFT p95 | TTFT p99 | device hit | RAM hit | "

@@ -9,6 +9,10 @@ window's start and end give, as counter differences over the window:
     RAM hit rate    = slot_misses{tier=ram} / slot_misses           (misses served from host RAM)
     loads/min       = 60 * loads{outcome=ok} / window               (into device slots)
     evictions/min   = 60 * evictions{tier=gpu} / window             (out of device slots)
+    prefix hit rate = prefix_cache_hits / prefix_cache_queries       (prompt tokens the prefix cache served)
+
+The requests CSV gives the same prefix figure from the answers themselves (cached share: the sum of
+usage.prompt_tokens_details.cached_tokens over the sum of prompt_tokens).
 
 Locust runs in its own process because it monkey-patches the standard library with gevent.
 """
@@ -160,8 +164,20 @@ def summarize(rows: list[dict], window_s: float) -> list[dict]:
             vals = [v for r in ok if (v := _num(r, f"{metric}_s")) is not None]
             for p in (50, 95, 99):
                 row[f"{metric}_p{p}_ms"] = 1000 * percentile(vals, p)
+        row.update(_cached(ok))
         out.append(row)
     return out
+
+
+def _cached(ok: list[dict]) -> dict:
+    """Prefix-cache figures from the answers: cached_share = sum(cached_tokens) / sum(prompt_tokens)
+    over the answers that reported both; cached_requests = answers with cached_tokens > 0; system
+    prompt share = requests that sent a system prompt (NaN where the CSV has no such columns)."""
+    both = [(c, p) for r in ok if (c := _num(r, "cached_tokens")) is not None and (p := _num(r, "prompt_tokens"))]
+    systems = [_num(r, "system_words") for r in ok if r.get("system_words", "") not in ("", None)]
+    return {"cached_share": sum(c for c, _ in both) / sum(p for _, p in both) if both else math.nan,
+            "cached_requests": sum(1 for c, _ in both if c > 0),
+            "system_prompt_requests": sum(1 for w in systems if w and w > 0) if systems else math.nan}  # fmt: skip
 
 
 def closed_throughput(rows: list[dict]) -> dict:
@@ -231,11 +247,14 @@ def cache_rates(metrics_dir: Path) -> dict:
             ("loads", "lorafarm_adapter_loads", {"outcome": "ok"}),
             ("load_errors", "lorafarm_adapter_loads", {"outcome": "error"}),
             ("evictions", "lorafarm_adapter_evictions", {"tier": "gpu"}),
+            ("prefix_queries", "lorafarm_prefix_cache_queries", {}),
+            ("prefix_hits", "lorafarm_prefix_cache_hits", {}),
         ]:
             d[key] += _total(b, name, **labels) - _total(a, name, **labels)
     if not window:
         return {"device_hit_rate": math.nan, "ram_hit_rate": math.nan, "loads_per_min": math.nan,
-                "evictions_per_min": math.nan, "load_errors": math.nan}  # fmt: skip
+                "evictions_per_min": math.nan, "load_errors": math.nan, "prefix_hit_rate": math.nan,
+                "prefix_queries": math.nan}  # fmt: skip
     minutes = max(window) / 60.0
     looked_up = d["hits"] + d["misses"]
     return {
@@ -244,24 +263,30 @@ def cache_rates(metrics_dir: Path) -> dict:
         "loads_per_min": d["loads"] / minutes,
         "evictions_per_min": d["evictions"] / minutes,
         "load_errors": d["load_errors"],
+        # prompt tokens served from the prefix cache / prompt tokens looked up (vLLM's definition)
+        "prefix_hit_rate": d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] else math.nan,
+        "prefix_queries": d["prefix_queries"],
     }
 
 
 def cpu_use(metrics_dir: Path) -> dict:
     """Over the window: the machine's busy CPU fraction (all cores, from /proc/stat: 1 - (idle + iowait)
-    / total) and the load generator's CPU seconds per second (its share of that)."""
+    / total), the load generator's CPU seconds per second (its share of that), and the 1-minute load
+    average at the window's start and end (NaN where the scrape did not record it)."""
     try:
         a = json.loads((metrics_dir / "cpu-start.json").read_text())
         b = json.loads((metrics_dir / "cpu-end.json").read_text())
         ta = [int(x) for x in a["proc_stat_cpu"].split()[1:]]
         tb = [int(x) for x in b["proc_stat_cpu"].split()[1:]]
     except (OSError, ValueError, KeyError):
-        return {"cpu_busy": math.nan, "loadgen_cpu": math.nan}
+        return {"cpu_busy": math.nan, "loadgen_cpu": math.nan, "load_start": math.nan, "load_end": math.nan}
     total = sum(tb) - sum(ta)
     idle = (tb[3] + tb[4]) - (ta[3] + ta[4])
     span = b["time"] - a["time"]
     return {"cpu_busy": 1 - idle / total if total else math.nan,
-            "loadgen_cpu": (b["loadgen_cpu_s"] - a["loadgen_cpu_s"]) / span if span > 0 else math.nan}
+            "loadgen_cpu": (b["loadgen_cpu_s"] - a["loadgen_cpu_s"]) / span if span > 0 else math.nan,
+            "load_start": float((a.get("loadavg") or [math.nan])[0]),
+            "load_end": float((b.get("loadavg") or [math.nan])[0])}  # fmt: skip
 
 
 def append_csv(path: Path, rows: list[dict]) -> None:
