@@ -139,17 +139,19 @@ def test_cache_rates_read_the_prefix_counters(tmp_path):
     assert math.isnan(runner.cache_rates(tmp_path)["prefix_hit_rate"])  # no queries: no rate
 
 
-def test_replica_metrics_names_are_the_ones_the_load_test_reads():
-    """Once the replica exports the prefix counters (handler/metrics.py), the load test reads them
-    under the names it expects; skipped until then."""
+def test_hit_rate_from_the_replicas_real_prefix_cache_exposition(tmp_path):
+    """The replica's own collector (handler/metrics.py) as scraped at the window's start and end:
+    the load test reads its counters under their names (and not the vllm: copies twice)."""
     from handler.metrics import ReplicaMetrics
 
-    text = ReplicaMetrics("r0").render().decode()
-    if "lorafarm_prefix_cache_queries" not in text:
-        pytest.skip("the replica exports no prefix cache counters yet")
-    _, samples = runner.parse_metrics(text)
-    names = {n for n, _ in samples}
-    assert {"lorafarm_prefix_cache_queries_total", "lorafarm_prefix_cache_hits_total"} <= names
+    m = ReplicaMetrics("r0")
+    st = SimpleNamespace(prefix_cache_queries=100, prefix_cache_hits=10, prefix_cache_evictions=0, prefix_cache_blocks=1)
+    m.watch_prefix_cache(SimpleNamespace(engine=SimpleNamespace(stats=lambda: st)))
+    (tmp_path / "replica0-start.prom").write_text("# lorafarm-scrape-time 100\n" + m.render().decode())
+    st.prefix_cache_queries, st.prefix_cache_hits = 500, 310
+    (tmp_path / "replica0-end.prom").write_text("# lorafarm-scrape-time 160\n" + m.render().decode())
+    r = runner.cache_rates(tmp_path)
+    assert r["prefix_queries"] == 400 and r["prefix_hit_rate"] == pytest.approx(0.75)
 
 
 def test_locust_sends_the_system_prompt_and_records_cached_tokens(tmp_path):
