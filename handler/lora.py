@@ -63,7 +63,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from handler.model import LORA_MODULES, ModelConfig, to_device
+from handler.model import LORA_MODULES, ModelConfig, to_device, zeroed
 
 # The groups of modules that share an input, in the order their outputs sit in the fused base output.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -298,8 +298,12 @@ class MultiLoRALinear:
         """Allocate zeroed stacks for pools [(rank, slots)]; slot 0 of each pool is the no-adapter slot."""
         n = len(self.modules)
         self.ranks = [r for r, _ in pools]
-        self.A = [torch.zeros((s + 1, n * r, self.k), dtype=dtype, device=device) for r, s in pools]
-        self.B = [[torch.zeros((s + 1, r, d), dtype=dtype, device=device) for d in self.d] for r, s in pools]
+        # zero pages nobody wrote take no memory (handler.model.zeroed): slot 0, never read, and
+        # slots no adapter has used yet
+        shapes = [(s + 1, n * r, self.k) for r, s in pools] + [(s + 1, r, d) for r, s in pools for d in self.d]
+        stacks = zeroed(shapes, dtype, device)
+        self.A = stacks[: len(pools)]
+        self.B = [stacks[len(pools) + i * n : len(pools) + (i + 1) * n] for i in range(len(pools))]
 
     def set_lora(
         self,
