@@ -2,9 +2,13 @@
 
 The catalog is the de-duplicated union of the models every routable replica serves (base and
 embedding models from its last state report, else from its registry entry), rebuilt when the view
-changes (at the state-poll cadence) and served from cache, plus everything the caller may call:
-its aliases and its active adapter ids, each with `root` = the adapter id and `parent` = its base
-model (vLLM's convention for adapters). `GET /v1/models/{id}` answers one of those entries.
+changes (at the state-poll cadence) and served from cache, plus the caller's adapters, each listed
+once under the name it is deployed as: its alias (one entry per alias), or its id when no alias
+points at it (an older version kept callable after a deploy or rollback). Every adapter entry has
+`root` = the adapter id and `parent` = its base model (vLLM's convention for adapters) and
+`adapter_id` beside them. An aliased adapter is still callable by its id, and `GET /v1/models/{id}`
+answers an alias, an adapter id or a base model, listed or not. (Listing every adapter under both
+its alias and its id put each deployed adapter in the list twice.)
 
 Resolution: a tenant reaches its own aliases, its own adapter ids and the base models; anything
 else, existing or not, is `model_not_found` (the same answer either way, so a tenant cannot probe
@@ -113,21 +117,28 @@ class Catalog:
         self._refresh()
         table = self.view.table
         data = list(self._base)
+        aliased: set[str] = set()
         for alias in table.tenant_aliases.get(tenant_id, ()):
             adapter_id = table.aliases[alias]["adapter_id"]
             adapter = table.adapters.get(adapter_id)
             if adapter is None or not _active(adapter):
                 continue
             data.append(self._adapter_entry(tenant_id, alias, adapter_id, adapter))
+            aliased.add(adapter_id)
         for adapter_id in self._tenant_adapters(table).get(tenant_id, ()):
-            data.append(self._adapter_entry(tenant_id, adapter_id, adapter_id, table.adapters[adapter_id]))
+            if adapter_id not in aliased:  # listed under its alias already
+                data.append(self._adapter_entry(tenant_id, adapter_id, adapter_id, table.adapters[adapter_id]))
         return {"object": "list", "data": data}
 
     def model_for(self, tenant_id: str, model: str) -> dict:
-        """`GET /v1/models/{model}`: one entry of the tenant's list, else ModelNotFound."""
+        """`GET /v1/models/{model}`: an entry of the tenant's list, or the entry of one of its active
+        adapters by id (listed under its alias), else ModelNotFound."""
         for entry in self.models_for(tenant_id)["data"]:
             if entry["id"] == model:
                 return entry
+        adapter = self.view.table.adapters.get(model)
+        if adapter is not None and str(adapter.get("tenant_id") or "") == tenant_id and _active(adapter):
+            return self._adapter_entry(tenant_id, model, model, adapter)
         raise ModelNotFound(model)
 
     def _adapter_entry(self, tenant_id: str, name: str, adapter_id: str, adapter: dict) -> dict:
@@ -138,6 +149,7 @@ class Catalog:
             "owned_by": tenant_id,
             "root": adapter_id,
             "parent": self._hash_names.get(str(adapter.get("base_model_hash") or "")),
+            "adapter_id": adapter_id,
         }
 
     def _tenant_adapters(self, table: RoutingTable) -> dict[str, list[str]]:

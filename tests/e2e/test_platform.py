@@ -2,7 +2,8 @@
 its own so the shared farm's demo tenant is untouched:
 
 - `model` in responses (and stream chunks) echoes the requested alias; `x-adapter-id` is the id;
-- `/v1/models` lists the alias and every adapter id, `GET /v1/models/{id}` answers them;
+- `/v1/models` lists each adapter once (the alias, or the id of a version no alias points to),
+  `GET /v1/models/{id}` answers aliases and ids;
 - a version no alias points to any more is unloaded from the replicas once it is idle;
 - every metric the Grafana dashboard and the alert rules query exists on the farm's /metrics, and
   the per-tenant counters count this tenant's requests and tokens;
@@ -78,9 +79,10 @@ async def test_echo_catalog_retire_metrics_logs(farm, canaries):
         assert (await ask(v2)).parse().model == v2  # by id: the id is the requested name
 
         listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
-        assert {alias, v1, v2} <= set(listed)
+        assert {alias, v2} <= set(listed) and v1 not in listed  # v1 once, as the alias
         assert listed[alias]["root"] == v1 and listed[v2]["parent"] == "lorafarm-dev-tiny"
         assert http.get(f"/v1/models/{alias}").json()["root"] == v1
+        assert http.get(f"/v1/models/{v1}").json()["id"] == v1
         assert http.get(f"/v1/models/{v2}").json()["id"] == v2
         assert http.get("/v1/models/demo/c0000:prod").status_code == 404  # the demo tenant's alias
 

@@ -1,6 +1,6 @@
 """Item 3: a merged-mode replica joins the farm. It serves only its merged adapter: base-model
-requests never go to it, no tenant's /v1/models lists its adapter id, and every alias's `parent`
-stays the base model's name."""
+requests never go to it, no tenant's /v1/models lists it as a model of its own, and every alias's
+`parent` stays the base model's name."""
 
 from __future__ import annotations
 
@@ -57,13 +57,14 @@ def test_merged_replica_serves_only_its_adapter(rfarm, rtenant, markers, merged_
     for key in (rtenant["api_key"], other["api_key"]):
         listed = client(rfarm, key).models.list().data
         assert all(getattr(m, "parent", None) in (None, BASE_MODEL_NAME) for m in listed)
-        entries = [m for m in listed if m.id == adapter_id]
+        entries = [m for m in listed if adapter_id in (m.id, getattr(m, "root", None))]
         if key == other["api_key"]:
             assert entries == []  # another tenant never sees the merged replica's adapter
         else:
-            # its owner sees it once, as an adapter of the base (the catalog lists a tenant's adapter
-            # ids), never as a model of its own that the merged replica would advertise
+            # its owner sees it once (under its alias), as an adapter of the base, never as a model
+            # of its own that the merged replica would advertise
             assert [getattr(m, "parent", None) for m in entries] == [BASE_MODEL_NAME]
+            assert [m.id for m in entries] == [alias]
     parents = {getattr(m, "parent", None) for m in client(rfarm, rtenant["api_key"]).models.list().data
                if m.id in rtenant["aliases"]}
     assert parents == {BASE_MODEL_NAME}

@@ -208,18 +208,41 @@ def test_catalog_union_dedup_and_aliases_with_parent():
     acme = cat.models_for("acme")
     assert acme["object"] == "list"
     ids = [m["id"] for m in acme["data"]]
-    assert ids == ["dev-a", "dev-b", "acme/support:prod", a]  # union de-duplicated, own aliases, own ids
+    assert ids == ["dev-a", "dev-b", "acme/support:prod"]  # union de-duplicated, own adapters once (by alias)
     alias = acme["data"][2]
-    assert alias["parent"] == "dev-a" and alias["root"] == a and alias["owned_by"] == "acme"
+    assert alias["parent"] == "dev-a" and alias["root"] == alias["adapter_id"] == a and alias["owned_by"] == "acme"
+    assert cat.model_for("acme", a)["id"] == a  # an aliased adapter's id still answers
     assert "beta/sales:prod" not in ids
     assert [m["id"] for m in cat.models_for("nobody")["data"]] == ["dev-a", "dev-b"]
+
+
+def test_catalog_lists_each_adapter_once_under_the_name_it_is_deployed_as():
+    """One entry per model a caller would use: an aliased adapter under its alias (one entry per
+    alias), an adapter no alias points at (an older version) under its id; ids stay retrievable."""
+    reg, view, cat, a, b = _catalog()
+    old = reg.add_adapter("acme", "support-v0", "dev-a")  # no alias: callable by id only
+    reg.set_alias("acme/support:canary", a)  # a second alias on the same adapter
+    view.apply_table(reg.table())
+    data = cat.models_for("acme")["data"]
+    ids = [m["id"] for m in data]
+    assert ids.count(a) == 0 and ids.count(old) == 1
+    assert sorted(i for i in ids if i.startswith("acme/")) == ["acme/support:canary", "acme/support:prod"]
+    by_root = {}
+    for m in data:
+        if "root" in m:
+            by_root.setdefault(m["root"], []).append(m["id"])
+            assert m["adapter_id"] == m["root"]
+    assert {r: sorted(v) for r, v in by_root.items()} == {a: ["acme/support:canary", "acme/support:prod"], old: [old]}
+    assert cat.model_for("acme", a)["root"] == a and cat.model_for("acme", old)["id"] == old
+    with pytest.raises(ModelNotFound):
+        cat.model_for("acme", b)  # another tenant's adapter, by id
 
 
 def test_catalog_follows_the_view():
     reg, view, cat, a, b = _catalog()
     reg.remove_replica("r2")
     view.apply_table(reg.table())
-    assert [m["id"] for m in cat.models_for("acme")["data"]] == ["dev-a", "acme/support:prod", a]
+    assert [m["id"] for m in cat.models_for("acme")["data"]] == ["dev-a", "acme/support:prod"]
 
 
 def test_resolution_is_tenant_scoped():
