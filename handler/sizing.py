@@ -12,8 +12,9 @@ pools of 8 slots whatever the model: 4.3 GB of RSS for SmolLM2-135M on a CPU. No
   accepted rank loads), then the smallest ranks first up to 8 slots a pool (the old default).
 
 Each pool also has a slot 0 (the no-adapter slot), not counted: the kernels never read it and its
-pages are never written, so on the CPU it takes no memory (handler.model.zeroed); nor do slots no adapter has
-used yet. The weights are counted once: the runner holds no file mapping (handler.model.Checkpoint).
+pages are never written, so on the CPU it takes no memory (handler.model.zeroed); nor do slots no
+adapter has used yet. The weights are counted once: the runner holds no file mapping
+(handler.model.Checkpoint).
 
 `--kv-cache-bytes`, `--slots`, `--rank-pools` and `--lora-memory-bytes` override these.
 """
