@@ -20,7 +20,10 @@ random (`--strategy random --no-affinity`).
 --ab-prefix-cache replaces the --slots sweeps by two sweeps of --rates over the same seeded workload,
 each on a fresh farm at the (one) --slots value: `prefix-on` (the replicas' prefix cache, their
 default) first, then `prefix-off` (every replica started with `lorafarm replica --no-prefix-cache`).
-It needs shared system prompts (--system-prompt-share > 0). The report adds p95 TTFT per rate with
+It needs shared system prompts (--system-prompt-share > 0). The k-th rate step draws its requests
+with --seed + k in both sweeps (the same seed and rate replay the same requests in order, and a
+cache still holding the previous step's whole prompts would serve those replays from it); the
+adapters' system prompts stay those of --system-prompt-seed throughout. The report adds p95 TTFT per rate with
 and without the cache, the highest rate each sustains (p95 TTFT < 1 s, zero errors), the prefix hit
 rate from the replicas' lorafarm_prefix_cache_{queries,hits}_total (prompt tokens) and the cached
 share of prompt tokens the answers reported (usage.prompt_tokens_details.cached_tokens).
@@ -264,7 +267,7 @@ def _step_rows(run: str, rate: float, csv_path: Path, metrics_dir: Path, meta: d
                      "prompt_median_words": meta["prompt_median"], "prompt_sigma": meta["prompt_sigma"],
                      "output_median_tokens": meta["output_median"], "output_sigma": meta["output_sigma"],
                      "output_cap": meta["output_cap"], "warmup_s": meta["warmup"], "duration_s": meta["duration"],
-                     "prefix_cache": meta.get("prefix_cache", "on"),
+                     "prefix_cache": meta.get("prefix_cache", "on"), "seed": meta.get("seed", ""),
                      "system_prompt_share": meta.get("system_prompt_share", 0.0),
                      "system_prompt_median_words": meta.get("system_prompt_median", "")})  # fmt: skip
     return rows
@@ -334,11 +337,14 @@ def _loadtest(args: argparse.Namespace) -> int:
                          **workload}  # fmt: skip
             meta["runs"][run] = {k: step_meta[k] for k in ("replicas", "slots", "routing", "adapters", "prefix_cache")}
             save_meta()
-            for rate in args.rates:
+            for k, rate in enumerate(args.rates):
                 name = f"{run}-{rate:g}"
+                # prefix A/B: step k draws its own requests (seed + k; the same in both variants), so a step
+                # never replays the previous step's prompts into a cache that still holds them whole
+                step_workload = {**workload, "seed": workload["seed"] + k} if args.ab_prefix_cache else workload
                 path = run_locust(target, steps_dir, name, rate=rate, duration=args.duration, warmup=args.warmup,
-                                  workload=workload, progress=not args.quiet)  # fmt: skip
-                rows = _step_rows(run, rate, path, steps_dir / f"{name}-metrics", step_meta)
+                                  workload=step_workload, progress=not args.quiet)  # fmt: skip
+                rows = _step_rows(run, rate, path, steps_dir / f"{name}-metrics", {**step_meta, **step_workload})
                 append_csv(out / "sweep.csv", rows)
                 _say_step(name, rows[0])
         if args.throughput:

@@ -110,7 +110,8 @@ def prefix_ab_lines(sweep: list[dict], meta: dict) -> list[str]:
              f"Each sweep on a fresh farm: `prefix-on` (the replicas' default) first, then `prefix-off` (replicas "
              f"started with `--no-prefix-cache`); {_pct(w.get('system_prompt_share'))} of requests carry their "
              f"adapter's system prompt (log-normal, median {_f(w.get('system_prompt_median')):g} words, sigma "
-             f"{w.get('system_prompt_sigma')}, cap {w.get('system_prompt_cap')}).", "",
+             f"{w.get('system_prompt_sigma')}, cap {w.get('system_prompt_cap')}, the same text per adapter "
+             f"throughout); the k-th rate step draws its requests with seed {w.get('seed')} + k in both sweeps.", "",
              "| rate req/s | requests on/off | errors on/off | TTFT p50 on | TTFT p50 off | TTFT p95 on | TTFT p95 off "
              "| p95 on/off | prefix hit (on) | cached share on/off | load avg on/off |",
              "| ---: |" + " ---: |" * 10]  # fmt: skip

@@ -10,8 +10,8 @@
   and never wait for answers, so a slow server sees a growing queue, not fewer requests.
 - Shared system prompts (off by default: share 0): each adapter is one customer with one system
   prompt of its own, its length in words drawn once per adapter (log-normal, median
-  `system_prompt_words_median`, clipped to [1, cap]) and its text seeded by (seed, adapter), so the
-  same adapter always sends the same words. A share `system_prompt_share` of the requests carries
+  `system_prompt_words_median`, clipped to [1, cap]) and its text seeded by (system prompt seed,
+  adapter), so the same adapter always sends the same words, whatever `seed` draws the requests. A share `system_prompt_share` of the requests carries
   their adapter's system prompt (sent as the chat system message, before the user prompt); the
   others send the user prompt alone. The share is drawn from its own random stream, so arrivals,
   adapters and user prompts are the same whatever the share (share 0 is the workload as before).
@@ -26,7 +26,6 @@ import csv
 import functools
 import math
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -59,6 +58,7 @@ class WorkloadSpec:
     system_prompt_words_median: int = 200  # per adapter, log-normal
     system_prompt_words_sigma: float = 0.5
     system_prompt_words_cap: int = 400
+    system_prompt_seed: int = 0  # the system prompts' own seed: a customer's prompt stays when `seed` changes
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ WORKLOAD_OPTIONS = (
      "median (default 200)"),
     ("--system-prompt-sigma", float, 0.5, "system prompt length: sigma of its log (default 0.5)"),
     ("--system-prompt-cap", int, 400, "system prompt words at most (default 400)"),
+    ("--system-prompt-seed", int, 0, "seed of the adapters' system prompts, apart from --seed (default 0)"),
 )
 
 
@@ -120,7 +121,8 @@ def spec_from_options(options: dict, rate: float, duration: float) -> WorkloadSp
                         system_prompt_share=o.get("system_prompt_share", 0.0),
                         system_prompt_words_median=o.get("system_prompt_median", 200),
                         system_prompt_words_sigma=o.get("system_prompt_sigma", 0.5),
-                        system_prompt_words_cap=o.get("system_prompt_cap", 400))  # fmt: skip
+                        system_prompt_words_cap=o.get("system_prompt_cap", 400),
+                        system_prompt_seed=o.get("system_prompt_seed", 0))  # fmt: skip
 
 
 def check_spec(spec: WorkloadSpec) -> None:
@@ -176,13 +178,15 @@ def _vocabulary(seed: int) -> tuple[str, ...]:
     return tuple(" ".join(random_prompts(seed=seed, count=200)).split())
 
 
-def system_prompt(model: str, spec: WorkloadSpec, words: Sequence[str] | None = None) -> str:
-    """`model`'s shared system prompt: the same text for the same (seed, model), whatever else the
-    workload holds. Its length in words is log-normal (spec's median and sigma), within [1, cap]."""
-    rng = random.Random(f"lorafarm-system-prompt:{spec.seed}:{model}")  # str seeds hash with sha512: stable
+def system_prompt(model: str, spec: WorkloadSpec) -> str:
+    """`model`'s shared system prompt: the same text for the same (system_prompt_seed, model), whatever
+    else the workload holds (its `seed` included). Its length in words is log-normal (spec's median and
+    sigma), within [1, cap]."""
+    s = spec.system_prompt_seed
+    rng = random.Random(f"lorafarm-system-prompt:{s}:{model}")  # str seeds hash with sha512: stable
     n = _lognormal_int(rng, spec.system_prompt_words_median, spec.system_prompt_words_sigma, 1,
                        spec.system_prompt_words_cap)  # fmt: skip
-    words = words or _vocabulary(spec.seed)
+    words = _vocabulary(s)
     head = f"You are the assistant of customer {model}."
     body = [rng.choice(words) for _ in range(max(0, n - len(head.split())))]
     return " ".join((head.split() + body)[:n])
@@ -233,6 +237,6 @@ def generate(models: list[str], spec: WorkloadSpec, trace: list[TraceRow] | None
         system = ""
         if spec.system_prompt_share > 0 and share_rng.random() < spec.system_prompt_share:
             if model not in systems:
-                systems[model] = system_prompt(model, spec, words)
+                systems[model] = system_prompt(model, spec)
             system = systems[model]
         items.append(WorkItem(t, model, prompt, max_tokens, system))

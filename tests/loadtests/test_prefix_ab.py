@@ -109,7 +109,10 @@ def test_ab_prefix_cache_runs_the_same_sweep_with_the_cache_then_without(tmp_pat
     assert _FakeFarm.started == [["--slots", "4", "--max-batch=8"], ["--slots", "4", "--max-batch=8", "--no-prefix-cache"]]
     assert [c[:2] for c in calls] == [("prefix-on-1", 1.0), ("prefix-on-4", 4.0), ("prefix-off-1", 1.0),
                                       ("prefix-off-4", 4.0)]  # fmt: skip
-    assert all(c[2] == calls[0][2] for c in calls)  # the same seeded workload every time
+    # the same seeded workload in both variants, step by step; each rate step draws its own requests
+    assert calls[0][2] == calls[2][2] and calls[1][2] == calls[3][2]
+    assert (calls[0][2]["seed"], calls[1][2]["seed"]) == (0, 1)
+    assert {k: v for k, v in calls[0][2].items() if k != "seed"} == {k: v for k, v in calls[1][2].items() if k != "seed"}
     assert calls[0][2]["system_prompt_share"] == 0.75 and calls[0][2]["system_prompt_median"] == 150
 
     with open(out / "sweep.csv", newline="") as f:
@@ -119,6 +122,7 @@ def test_ab_prefix_cache_runs_the_same_sweep_with_the_cache_then_without(tmp_pat
     assert float(on["cached_share"]) == pytest.approx(0.4) and float(off["cached_share"]) == 0
     assert int(on["system_prompt_requests"]) == 15 and on["prefix_cache"] == "on" and off["prefix_cache"] == "off"
     assert float(on["load_start"]) == 3.5 and float(on["load_end"]) == 4.25
+    assert [r["seed"] for r in (on, rows[("prefix-on", 4.0)], off)] == ["0", "1", "0"]
 
     report = (out / "report.md").read_text()
     assert "## Prefix cache A/B (same seeded replay)" in report

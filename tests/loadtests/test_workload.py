@@ -99,7 +99,11 @@ def test_system_prompts_are_per_adapter_seeded_and_the_share_is_respected():
     texts = {next(iter(t)) for t in by_model.values()}
     assert len(texts) == len(by_model)  # and no two adapters share one
     assert all(i.system == system_prompt(i.model, spec) for i in carrying[:50])
-    assert system_prompt(models[0], spec) != system_prompt(models[0], replace(spec, seed=6))
+    # a customer's system prompt is its own: other requests (another --seed) send the same text
+    assert system_prompt(models[0], spec) == system_prompt(models[0], replace(spec, seed=6))
+    other = generate(models, replace(spec, seed=6))
+    assert {i.system for i in other if i.model == models[0] and i.system} == by_model[models[0]]
+    assert system_prompt(models[0], spec) != system_prompt(models[0], replace(spec, system_prompt_seed=1))
 
 
 def test_share_changes_nothing_but_the_system_prompts():
@@ -141,10 +145,10 @@ def test_workload_options_reach_the_locustfile_parser_unchanged():
     add_workload_arguments(parser)
     ours = workload_options(parser.parse_args(["--system-prompt-share", "0.8", "--system-prompt-median", "150",
                                                "--system-prompt-sigma", "0.3", "--system-prompt-cap", "300",
-                                               "--seed", "9"]))  # fmt: skip
+                                               "--seed", "9", "--system-prompt-seed", "3"]))  # fmt: skip
     theirs = workload_options(parser.parse_args(workload_flags(ours)))
     assert theirs == ours
     spec = spec_from_options(theirs, 2.0, 10.0)
     assert (spec.system_prompt_share, spec.system_prompt_words_median, spec.system_prompt_words_sigma,
-            spec.system_prompt_words_cap, spec.seed) == (0.8, 150, 0.3, 300, 9)  # fmt: skip
+            spec.system_prompt_words_cap, spec.seed, spec.system_prompt_seed) == (0.8, 150, 0.3, 300, 9, 3)  # fmt: skip
     assert spec_from_options(workload_options(parser.parse_args([])), 1.0, 1.0).system_prompt_share == 0.0
