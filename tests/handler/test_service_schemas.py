@@ -53,7 +53,10 @@ def test_sse_chunks():
     end = oai.chat_chunk("id", "m", 1, finish_reason="stop")
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
     usage = oai.usage_chunk("chat", "id", "m", 1, 3, 4)
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
+    hit = oai.usage_chunk("chat", "id", "m", 1, 40, 4, cached_tokens=32)
+    assert hit["usage"]["prompt_tokens_details"] == {"cached_tokens": 32} and hit["usage"]["prompt_tokens"] == 40
     raw = oai.sse(tok)
     assert raw.startswith(b"data: {") and raw.endswith(b"\n\n") and json.loads(raw[6:]) == tok
     assert oai.SSE_DONE == b"data: [DONE]\n\n"
