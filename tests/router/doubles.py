@@ -171,6 +171,7 @@ class FakeReplica:
     fail_after_chunks: int | None = None
     keepalive_interval: float | None = None  # while first_token_delay runs, send `: keep-alive` comments
     shed: bool = False  # answer 503 + Retry-After before accepting (an overloaded replica)
+    chunk_gate: asyncio.Semaphore | None = None  # each word after the first waits for a release (the client's)
     gpu: OrderedDict = field(default_factory=OrderedDict)
     ram: set = field(default_factory=set)
     requests: list[dict] = field(default_factory=list)
@@ -292,6 +293,8 @@ class FakeReplica:
                             raise ConnectionAbortedError("replica dies mid-stream (test)")
                         if i and rep.chunk_delay:
                             await asyncio.sleep(rep.chunk_delay)
+                        if i > 1 and rep.chunk_gate is not None:
+                            await rep.chunk_gate.acquire()
                         yield chunk(p)
                     yield chunk(None, "stop")
                     if include_usage:
