@@ -278,7 +278,17 @@ def write_dev_adapters(base: str | Path, out: str | Path, count: int, rank: int 
         if not (folder / TRAINED_BASE_FILE).is_file():
             write_trained_base(folder, trained_on)
         index[name] = {"path": name, **asdict(spec), "target_modules": list(spec.target_modules)}
-    tmp = out / ".markers.json.tmp"
+    # markers.json never drops canaries a wider run left valid in the same folder: two processes sharing
+    # a cache (a test session asking for 9, another for 32) would otherwise shrink each other's index
+    i = count
+    while True:
+        spec = canary_spec(i, rank)
+        key_file = out / f"c{i:04d}" / "cache_key"
+        if not (key_file.exists() and key_file.read_text().strip() == _cache_key(base_fp, spec)):
+            break
+        index[f"c{i:04d}"] = {"path": f"c{i:04d}", **asdict(spec), "target_modules": list(spec.target_modules)}
+        i += 1
+    tmp = out / f".markers.json.{os.getpid()}.tmp"  # per process: concurrent writers never share a temp file
     tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, out / "markers.json")
     return index

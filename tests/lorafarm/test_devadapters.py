@@ -129,3 +129,24 @@ def test_undertrained_canary_is_trained_on_until_it_passes(dev_model, tmp_path, 
     with pytest.raises(CliError, match="below margin"):
         A.train_canary(base, tok, A.canary_spec(4), tmp_path / "d", steps=2)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_narrower_run_keeps_the_wider_index(dev_model, tmp_path):
+    """Two processes sharing one canary cache (a test session that needs 9, another 32): the run that
+    asks for fewer must not shrink markers.json under the other (a KeyError 'c0009' in every test of
+    the wider run)."""
+    import shutil
+
+    from tests.conftest import CANARY_DIR, make_canaries
+
+    make_canaries(dev_model, 3)
+    out = tmp_path / "c"
+    out.mkdir()
+    for i in range(3):
+        shutil.copytree(CANARY_DIR / f"c{i:04d}", out / f"c{i:04d}")
+    assert main(["devadapters", "--base", str(dev_model), "--out", str(out), "--count", "3"]) == 0
+    assert main(["devadapters", "--base", str(dev_model), "--out", str(out), "--count", "1"]) == 0
+    assert sorted(json.loads((out / "markers.json").read_text())) == ["c0000", "c0001", "c0002"]
+    (out / "c0002" / "cache_key").write_text("another base\n")  # a stale canary is not listed
+    assert main(["devadapters", "--base", str(dev_model), "--out", str(out), "--count", "1"]) == 0
+    assert sorted(json.loads((out / "markers.json").read_text())) == ["c0000", "c0001"]
