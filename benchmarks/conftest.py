@@ -165,6 +165,12 @@ ENGINE_TARGETS = [  # optional 6th element: the field to compare (default: token
      "invariant/invariant-decode", "invariant/default-decode", None, None),
     ("batch-invariant mode / default, end-to-end tokens/s (prefill of 32 x 64 tokens + 16 new each)",
      "invariant/invariant-e2e", "invariant/default-e2e", None, None),
+    ("prefix cache: TTFT with a cached 1,000-token system prompt / uncached (small dev model, adapter)",
+     "prefix/ttft-cached-dev", "prefix/ttft-uncached-dev", 0.2, "<="),
+    ("prefix cache: TTFT with a cached 1,000-token system prompt / uncached (SmolLM2-135M, adapter)",
+     "prefix/ttft-cached-real", "prefix/ttft-uncached-real", 0.2, "<="),
+    ("prefix cache: 80% of requests share one of 20 system prompts, tokens/s with / without (cold each round)",
+     "prefix/mix-cached", "prefix/mix-uncached", None, None),
 ]
 
 ENGINE_7B_TARGETS = [
