@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from handler.model import to_device
+from handler.model import to_device, zeroed
 from handler.prefix_cache import BlockPool
 
 
@@ -49,8 +49,8 @@ class KVCache:
         self.null_block = num_blocks
         self.scratch_block = num_blocks + 1
         shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # zero pages filled on first touch (CPU): a block nobody used yet takes no memory
+        self.k, self.v = zeroed([shape, shape], dtype, self.device)
         self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self._lock = threading.Lock()
 
