@@ -25,7 +25,7 @@ from pathlib import Path
 
 from archives.digest import BLOCK, progress_bar
 from archives.errors import InvalidBaseModelError
-from archives.safetensors_header import TensorInfo, read_header
+from archives.safetensors_header import TensorInfo, read_file_header
 
 CACHE_ENV = "LORAFARM_BASEHASH_CACHE_DIR"
 ALGORITHM = "lorafarm-basehash-v1"  # bump when the hashed byte stream changes
@@ -100,8 +100,7 @@ def compute_base_model_hash(model_dir: str | os.PathLike, *, progress: bool = Fa
     index: dict[str, tuple[Path, TensorInfo]] = {}
     for path in files:
         try:
-            with open(path, "rb") as f:
-                header = read_header(f, os.fstat(f.fileno()).st_size)
+            header = read_file_header(path)
         except ValueError as e:
             raise InvalidBaseModelError(f"base checkpoint {path}: {e}") from None
         for name, info in header.tensors.items():

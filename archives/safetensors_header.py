@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -98,3 +99,9 @@ def read_header(f: BinaryIO, size: int) -> SafetensorsHeader:
     if pos != data_len:
         raise ValueError(f"safetensors data is {data_len} bytes but its tensors cover {pos}")
     return SafetensorsHeader(tensors, metadata, data_start)
+
+
+def read_file_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """The header of a safetensors file on disk (ValueError when it is malformed)."""
+    with open(path, "rb") as f:
+        return read_header(f, os.fstat(f.fileno()).st_size)

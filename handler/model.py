@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,13 +201,12 @@ class Checkpoint:
     """
 
     def __init__(self, model_dir: str | Path):
-        from archives.safetensors_header import read_header
+        from archives.safetensors_header import read_file_header
 
         self.index: dict[str, tuple[Path, Any]] = {}
         for path in checkpoint_files(model_dir):
             try:
-                with open(path, "rb") as f:
-                    header = read_header(f, os.fstat(f.fileno()).st_size)
+                header = read_file_header(path)
             except ValueError as e:
                 raise ModelLoadError(f"{path}: {e}") from None
             for name, info in header.tensors.items():
