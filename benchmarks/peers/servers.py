@@ -1,0 +1,184 @@
+"""Each peer's server on 127.0.0.1 on a free port: started, waited on until it answers, stopped.
+
+Every server gets the same intra-op thread count (`threads`, recorded with its version and exact
+command) and the same float32 weights; each is otherwise configured as its own docs recommend:
+
+- ours: `lorafarm up --replicas 1 --base DIR --adapters ...` (registry, router, replica); requests go
+  through the router and name an adapter by its alias (demo/<folder>:prod), uploaded through the
+  registry at start-up. Device slots for every adapter; the router's stream timeouts raised so 32
+  cold adapters at once do not cut streams.
+- vllm: `vllm serve DIR --enable-lora --max-loras N --lora-modules name=path ...`; an adapter is a
+  model name. CPU: VLLM_CPU_OMP_THREADS_BIND pins `threads` cores, VLLM_CPU_KVCACHE_SPACE in GiB.
+- llamacpp: `llama-server -m base.gguf --lora a.gguf ... --lora-init-without-apply --parallel 32`;
+  a request picks its adapter with `"lora": [{"id": i, "scale": 1}]`.
+- transformers: `transformers serve DIR --continuous-batching`; base model only (no per-request LoRA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.peers.install import Installed
+from lorafarm.errors import CliError
+from lorafarm.farm import FarmPorts, _free_port
+
+KV_TOKENS_PER_REQUEST = 512  # prompt + 64 new tokens fit with room; llama.cpp's per-slot context
+
+
+@dataclass
+class Server:
+    peer: str
+    installed: Installed
+    command: list[str]
+    env: dict[str, str]
+    ready_url: str
+    base_url: str  # OpenAI base URL (.../v1)
+    base_model: str  # the model name a base request sends
+    adapters: dict[str, tuple[str, dict]] = field(default_factory=dict)  # adapter -> (model, extra_body)
+    threads: int = 0
+    api_key: str = "none"
+    log: Path | None = None
+    proc: subprocess.Popen | None = None
+    started_s: float | None = None  # seconds from start to ready
+
+    def request(self, adapter: str | None) -> tuple[str, dict]:
+        """(model, extra_body) for a request on the base (None) or an adapter."""
+        return (self.base_model, {}) if adapter is None else self.adapters[adapter]
+
+    def supports_adapters(self) -> bool:
+        return bool(self.adapters)
+
+    def launch(self) -> "Server":
+        """Start the process (in its own group: vLLM's engine processes stop with it); see wait_ready."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        out = open(self.log, "w")
+        self.proc = subprocess.Popen(self.command, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 900.0) -> "Server":
+        self._wait_ready(timeout)
+        self.started_s = time.monotonic() - self._t0
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-1500:]
+                raise CliError(f"{self.peer} exited with status {self.proc.returncode} while starting; "
+                               f"{self.log} ends:\n{tail}")
+            try:
+                if httpx.get(self.ready_url, timeout=2.0, headers={"Authorization": f"Bearer {self.api_key}"}).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise CliError(f"{self.peer} did not answer {self.ready_url} within {timeout:.0f} s; see {self.log}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGINT)  # the group we started (start_new_session)
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        except ProcessLookupError:
+            pass
+
+    def describe(self) -> dict:
+        return {"peer": self.peer, "version": self.installed.version, "how": self.installed.how,
+                "threads": self.threads, "command": shlex.join(self.command),
+                "env": {k: v for k, v in self.env.items() if k.startswith(("OMP_", "VLLM_", "MKL_"))},
+                "startup_s": round(self.started_s, 1) if self.started_s else None}
+
+
+def _threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def ours(installed: Installed, model: Path, adapters: list[Path], state: Path, threads: int,
+         replica_flags: str, router_flags: str) -> "OursServer":
+    ports = FarmPorts.free(1)
+    name = model.resolve().name
+    cmd = [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(state),
+           "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base),
+           "--base", f"{name}={model.resolve()}", *(["--adapters", *map(str, adapters)] if adapters else []),
+           "--replica-flags", replica_flags, "--router-flags", router_flags]
+    return OursServer("ours", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{ports.router}/health",
+                      f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log")
+
+
+class OursServer(Server):
+    """`lorafarm up`: ready once it prints its examples (the farm is seeded); names from farm.json."""
+
+    def _wait_ready(self, timeout: float) -> None:
+        super()._wait_ready(timeout)  # the router answers /health ...
+        farm_json = Path(self.log).parent / "farm.json"
+        deadline = time.monotonic() + timeout
+        while "Ctrl-C stops the farm" not in self.log.read_text(errors="replace"):  # ... and seeding is done
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise CliError(f"ours did not finish seeding; see {self.log}")
+            time.sleep(0.5)
+        farm = json.loads(farm_json.read_text())
+        tenant = farm["tenants"][0]
+        self.api_key = tenant["api_key"]
+        self.adapters = {alias.split("/", 1)[1].rsplit(":", 1)[0]: (alias, {}) for alias in tenant["aliases"]}
+
+
+def vllm(installed: Installed, model: Path, adapters: list[Path], logs: Path, threads: int,
+         kv_gib: int = 4) -> Server:
+    port = _free_port()
+    cmd = [installed.exe, "serve", str(model.resolve()), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "base", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
+           "--uvicorn-log-level", "warning"]
+    if adapters:
+        cmd += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", "16",
+                "--lora-modules", *[f"{a.name}={a.resolve()}" for a in adapters]]
+    env = {**_threads_env(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return Server("vllm", installed, cmd, env, f"http://127.0.0.1:{port}/v1/models", f"http://127.0.0.1:{port}/v1",
+                  "base", {a.name: (a.name, {}) for a in adapters}, threads, log=logs / "vllm.log")
+
+
+def llamacpp(installed: Installed, base_gguf: Path, loras: dict[str, Path], logs: Path, threads: int,
+             parallel: int = 32) -> Server:
+    port = _free_port()
+    cmd = [installed.exe, "-m", str(base_gguf.resolve()), "--host", "127.0.0.1", "--port", str(port),
+           "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(parallel),
+           "--ctx-size", str(parallel * KV_TOKENS_PER_REQUEST), "--alias", "base", "--no-webui"]
+    names = list(loras)
+    for name in names:
+        cmd += ["--lora", str(loras[name].resolve())]
+    if names:
+        cmd.append("--lora-init-without-apply")
+    adapters = {n: ("base", {"lora": [{"id": i, "scale": 1.0}]}) for i, n in enumerate(names)}
+    return Server("llamacpp", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{port}/health",
+                  f"http://127.0.0.1:{port}/v1", "base", adapters, threads, log=logs / "llamacpp.log")
+
+
+def transformers(installed: Installed, model: Path, logs: Path, threads: int) -> Server:
+    port = _free_port()
+    block = 32
+    cmd = [installed.exe, "serve", str(model.resolve()), "--continuous-batching", "--device", "cpu",
+           "--dtype", "float32", "--cb-block-size", str(block), "--cb-num-blocks", str(32 * KV_TOKENS_PER_REQUEST // block),
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    return Server("transformers", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{port}/health",
+                  f"http://127.0.0.1:{port}/v1", str(model.resolve()), {}, threads, log=logs / "transformers.log")
