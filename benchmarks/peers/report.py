@@ -172,7 +172,8 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
           f"Model `{Path(meta['model']).name}` in float32; {len(meta['adapters'])} random rank-16 PEFT adapters on all 7 "
           f"projections (seeded); streamed chat through the official `openai` client, max_tokens {meta['max_tokens']}, "
           f"greedy; {meta['rounds']} interleaved round(s), every server once per round in a shuffled order; "
-          f"{meta['threads']} intra-op threads per server on a {meta['cpus']}-CPU machine ({meta['platform']}).", "",
+          f"{meta['threads']} intra-op threads per server on a {meta['cpus']}-CPU machine ({meta['platform']}); "
+          f"servers not being measured: {meta.get('idle_servers', 'running')}.", "",
           f"**Machine load** (1-minute load average): {_num(meta['load_at_start'][0], 2)} at the start"
           + (f", {_num(min(loads), 2)}-{_num(max(loads), 2)} over the rounds" if loads else "")
           + (f", {_num(meta['load_at_end'][0], 2)} at the end" if meta.get("load_at_end") else " (the run did not finish)")

@@ -6,7 +6,8 @@
 Installs missing peers (install.py), writes the adapters and their GGUF files (adapters.py,
 convert.py), starts every server (servers.py) and keeps them up; checks greedy text on a few
 prompts for the base and two adapters across servers (also the warm-up); then each round runs every
-server once, in a shuffled order, through every workload (workloads.py). Written to --out, batch by
+server once, in a shuffled order, through every workload (workloads.py); the servers not being
+measured are paused (SIGSTOP, all their processes) so that none takes CPU from the one measured. Written to --out, batch by
 batch (a cut run keeps what it measured): meta.json (command, versions, threads, exact server
 commands), requests.csv, batches.csv, rounds.csv (the machine's load average per round),
 agreement.csv. docs/peers.md is rendered separately: `python -m benchmarks.peers.report`.
@@ -86,6 +87,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="default: '--slots N --max-batch 32 --dtype float32' (every adapter on a device slot)")
     p.add_argument("--ours-router-flags", default="--first-byte-timeout 600 --read-timeout 600")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--keep-idle-running", action="store_true",
+                   help="do not pause (SIGSTOP) the servers not being measured")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
@@ -138,7 +141,10 @@ def agreement(running: list[servers.Server], adapters: list[str], prompts: list[
     for model in [None, *adapters[:2]]:
         targets = [s for s in running if model is None or s.supports_adapters()]
         wl = Workload("agree", "agreement", model is not None, 1, len(prompts))
-        texts = {s.peer: asyncio.run(run_batch(s, wl, prompts, [model] if model else [], max_tokens))[1] for s in targets}
+        texts = {}
+        for s in targets:
+            _alone(s, running)
+            texts[s.peer] = asyncio.run(run_batch(s, wl, prompts, [model] if model else [], max_tokens))[1]
         ref = targets[0].peer
         for i in range(len(prompts)):
             for s in targets:
@@ -162,6 +168,7 @@ def measure(args, running: list[servers.Server], adapters: list[str]) -> None:
             load, t_round = os.getloadavg(), time.time()
             prompts = [p for p in _prompts(args.seed * 1000 + rnd, 64)]
             for slot, server in enumerate(order):
+                _alone(server, running, args.keep_idle_running)
                 for w in [w for s, w in plan if s is server]:
                     bar.set_description(f"round {rnd}/{args.rounds} {server.peer} {w.name}")
                     before = os.getloadavg()[0]
@@ -183,6 +190,16 @@ def measure(args, running: list[servers.Server], adapters: list[str]) -> None:
         bar.close()
         for f in files.values():
             f.close()
+
+
+def _alone(server: servers.Server, running: list[servers.Server], keep_idle_running: bool = False) -> None:
+    """Only `server` runs: the others are paused (SIGSTOP), it is resumed and answering."""
+    if keep_idle_running:
+        return
+    for s in running:
+        if s is not server:
+            s.pause()
+    server.resume()
 
 
 def _prompts(seed: int, count: int) -> list[str]:
@@ -218,7 +235,8 @@ def _main(argv: list[str] | None) -> int:
             "rounds": args.rounds, "threads": args.threads, "max_tokens": args.max_tokens, "seed": args.seed,
             "workloads": [asdict(w) for w in args.workload_list], "cpus": os.cpu_count(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "load_at_start": os.getloadavg()}
+            "load_at_start": os.getloadavg(),
+            "idle_servers": "running" if args.keep_idle_running else "paused (SIGSTOP) while another is measured"}
     try:
         for s in todo:  # all at once: the slow starters (vLLM, ours) overlap
             _say(f"starting {s.peer}: {shlex.join(s.command[:6])} ... (log {s.log})")

@@ -16,6 +16,7 @@ command) and the same float32 weights; each is otherwise configured as its own d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -52,6 +53,8 @@ class Server:
     started_s: float | None = None  # seconds from start to ready
 
     base_extra: dict = field(default_factory=dict)  # extra_body of a base request
+    paused: bool = False
+    settle_s: float = 0.0  # after a resume, before asking whether it answers
 
     def request(self, adapter: str | None) -> tuple[str, dict]:
         """(model, extra_body) for a request on the base (None) or an adapter."""
@@ -90,10 +93,45 @@ class Server:
         self.stop()
         raise CliError(f"{self.peer} did not answer {self.ready_url} within {timeout:.0f} s; see {self.log}")
 
+    def _tree(self) -> list:
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def pause(self) -> None:
+        """SIGSTOP the server and every process under it (ours: registry, router, replica): an idle
+        server takes no CPU from the one measured (vLLM's CPU worker spins at ~50% of a core idle)."""
+        import psutil
+
+        if not self.paused:
+            for p in self._tree():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.suspend()
+            self.paused = True
+
+    def resume(self, timeout: float = 120.0, wait: bool = True) -> None:
+        """SIGCONT them all; then wait until it answers again (ours: its router polls the replica's
+        state every second, so a short settle first)."""
+        import psutil
+
+        if self.paused:
+            for p in reversed(self._tree()):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.resume()
+            self.paused = False
+            if wait:
+                time.sleep(self.settle_s)
+                self._wait_ready(timeout)
+
     def stop(self, timeout: float = 30.0) -> None:
         p = self.proc
         if p is None or p.poll() is not None:
             return
+        self.resume(wait=False)  # a stopped process cannot act on SIGINT
         try:
             os.killpg(p.pid, signal.SIGINT)  # the group we started (start_new_session)
             p.wait(timeout)
@@ -124,7 +162,7 @@ def ours(installed: Installed, model: Path, adapters: list[Path], state: Path, t
            "--base", f"{name}={model.resolve()}", *(["--adapters", *map(str, adapters)] if adapters else []),
            "--replica-flags", replica_flags, "--router-flags", router_flags]
     return OursServer("ours", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{ports.router}/health",
-                      f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log")
+                      f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log", settle_s=3.0)
 
 
 class OursServer(Server):
