@@ -29,13 +29,17 @@ def _up(args: argparse.Namespace) -> int:
                 embeddings=args.embeddings)
     stopping = False
 
-    def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C
+    def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C; a second signal does not cut the stop short
         nonlocal stopping
         if not stopping:
             stopping = True
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    # SIGINT installed explicitly: a farm started from a script (`make serve &`, CI, a harness) inherits
+    # SIGINT ignored, and Python then leaves it ignored, so the SIGINT meant to stop the farm did nothing
+    # and the caller's fallback SIGKILL orphaned the registry and replicas (own sessions)
+    signal.signal(signal.SIGINT, _terminate)
     try:
         info = farm.up()
         print(examples(info), flush=True)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import farm_json
@@ -70,8 +71,15 @@ def test_lorafarm_demo_command(tmp_path, dev_model):
     assert "<<c0000>>" in proc.stdout
 
 
-def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries):
-    """`lorafarm up` in the foreground: ready banner, farm.json, then SIGTERM stops all children."""
+def _sigint_ignored():
+    """In the child before exec: SIGINT ignored, as a script's background job (`make serve &`) gets it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT, inherited ignored"])
+def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries, stop):
+    """`lorafarm up` in the foreground: ready banner, farm.json, then SIGTERM stops all children; so
+    does SIGINT when the farm was started with SIGINT ignored (it left the replicas orphaned)."""
     import json
     import time
 
@@ -84,6 +92,7 @@ def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_sigint_ignored if stop.startswith("SIGINT") else None,
     )  # fmt: skip
     try:
         banner = ""
@@ -101,9 +110,12 @@ def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries):
         assert r.status_code == 200
         pids = [r["pid"] for r in info["replicas"]]
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT if stop.startswith("SIGINT") else signal.SIGTERM)
         proc.wait(timeout=60)
     assert proc.returncode == 0
+    for url in (info["registry_url"], info["router_url"]):  # nothing left listening
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
     for pid in pids:
         try:
             os.kill(pid, 0)
