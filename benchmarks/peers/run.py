@@ -266,6 +266,8 @@ def _main(argv: list[str] | None) -> int:
         print("peers run: interrupted; what was measured is in " + str(args.out), file=sys.stderr)
         return 130
     finally:
+        for s in running:  # all at once, then each waited for
+            s.ask_stop()
         for s in reversed(running):
             s.stop()
     _say(f"results in {args.out}; render with: python -m benchmarks.peers.report --from {args.out} --to docs")

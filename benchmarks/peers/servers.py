@@ -127,13 +127,21 @@ class Server:
                 time.sleep(self.settle_s)
                 self._wait_ready(timeout)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def ask_stop(self) -> None:
+        """SIGINT to the group we started (start_new_session); stop() waits for it."""
         p = self.proc
         if p is None or p.poll() is not None:
             return
         self.resume(wait=False)  # a stopped process cannot act on SIGINT
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGINT)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        self.ask_stop()
         try:
-            os.killpg(p.pid, signal.SIGINT)  # the group we started (start_new_session)
             p.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
@@ -211,12 +219,16 @@ def llamacpp(installed: Installed, base_gguf: Path, loras: dict[str, Path], logs
     names = list(loras)
     if names:  # every adapter loaded once, none applied unless a request asks (ids in this order)
         cmd += ["--lora", ",".join(str(loras[n].resolve()) for n in names), "--lora-init-without-apply"]
-    adapters = {n: ("base", {"lora": [{"id": i, "scale": 1.0}]}) for i, n in enumerate(names)}
+    def scales(on: int | None) -> dict:
+        return {"lora": [{"id": i, "scale": 1.0 if i == on else 0.0} for i in range(len(names))]}
+
+    adapters = {n: ("base", scales(i)) for i, n in enumerate(names)}
     server = Server("llamacpp", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{port}/health",
                     f"http://127.0.0.1:{port}/v1", "base", adapters, threads, log=logs / "llamacpp.log")
-    # a base request says "no adapter" outright: without a "lora" field the server applied every loaded
-    # adapter (measured: other text than the base, 20x slower); listed ids missing from it get scale 0
-    server.base_extra = {"lora": []}
+    # every request lists every adapter's scale: with no "lora" field, or "lora": [], this llama-server
+    # applied the loaded adapters to a base request (checked: other text than the base, and slower);
+    # with all of them listed at 0 its base text is the other servers' exactly
+    server.base_extra = scales(None) if names else {}
     return server
 
 
