@@ -161,6 +161,39 @@ def plots(data: dict, summary: dict, out_dir: Path) -> list[Path]:
     return made
 
 
+def short_command(cmd: str, cwd: str | None = None) -> str:
+    """The command as docs show it: paths relative to the checkout, and a run of adapter arguments
+    (synth-00000 ... synth-00031, space- or comma-separated) as its first and last with a count."""
+    import os
+    import re
+
+    cmd = cmd.replace((cwd or os.getcwd()).rstrip("/") + "/", "")
+    parts = re.split(r"([ ,])", cmd)
+    out, run = [], []
+
+    def flush():
+        if len(run) > 5:  # token, sep, token, ...: keep the first and the last
+            n = (len(run) + 1) // 2
+            out.extend([run[0], run[1], f"... ({n} adapters) ...", run[1], run[-1]])
+        else:
+            out.extend(run)
+        run.clear()
+
+    for part in parts:
+        if "synth-" in part or (run and part in (" ", ",") and "synth-" in run[-1]):
+            run.append(part)
+        else:
+            if run and run[-1] in (" ", ","):
+                sep = run.pop()
+                flush()
+                out.append(sep)
+            else:
+                flush()
+            out.append(part)
+    flush()
+    return "".join(out)
+
+
 def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Path:
     meta, summary = data["meta"], summarise(data)
     pngs = plots(data, summary, to / "peers")
@@ -205,16 +238,18 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
     md += ["", "## Servers", "", "| server | version | threads | ready after (s) | installed |", "| --- | --- | --- | --- | --- |"]
     for s in meta["servers"]:
         md.append(f"| {NAMES.get(s['peer'], s['peer'])} | {s['version']} | {s['threads']} | {_num(s['startup_s'], 0)} | {s['how']} |")
-    md += ["", "Exact commands (environment: each server's thread variables):", ""]
+    md += ["", "Exact commands (environment: each server's thread variables; a run of adapter arguments shown as its "
+           "first and last):", ""]
     for s in meta["servers"]:
         env = " ".join(f"{k}={v}" for k, v in s["env"].items())
-        md += [f"{NAMES.get(s['peer'], s['peer'])}:", "", "```bash", (env + " " if env else "") + s["command"], "```", ""]
+        md += [f"{NAMES.get(s['peer'], s['peer'])}:", "", "```bash", (env + " " if env else "") + short_command(s["command"]),
+               "```", ""]
     if meta.get("skipped"):
         md += ["Not run: " + "; ".join(f"{NAMES.get(k['peer'], k['peer'])} {k['workload']} ({k['why']})"
                                       for k in meta["skipped"]) + ".", ""]
     md += ["## Load per round", "", "| round | order | load1 at start | load1 at end | wall (s) |", "| --- | --- | --- | --- | --- |"]
     for r in data["rounds"]:
-        md.append(f"| {r['round']} | {r['order']} | {r['load1']} | {r['load1_end']} | {r['wall_s']} |")
+        md.append(f"| {r['round']} | {r['order']} | {_num(_f(r['load1']), 2)} | {_num(_f(r['load1_end']), 2)} | {r['wall_s']} |")
     if notes:
         md += ["", "## Notes", "", notes.strip()]
     to.mkdir(parents=True, exist_ok=True)
