@@ -137,17 +137,24 @@ class Server:
             os.killpg(p.pid, signal.SIGINT)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGINT, then after `timeout` SIGKILL to every process under it: ours' registry, router and
+        replica run in sessions of their own, so killing our group alone would orphan them."""
+        import psutil
+
         p = self.proc
         if p is None or p.poll() is not None:
             return
+        tree = self._tree()
         self.ask_stop()
         try:
             p.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        except ProcessLookupError:
             pass
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        for q in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                q.kill()
+        p.wait()
 
     def describe(self) -> dict:
         return {"peer": self.peer, "version": self.installed.version, "how": self.installed.how,
