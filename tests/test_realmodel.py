@@ -4,7 +4,6 @@ logits equal transformers' own GGUF loader's; idempotent; a one-line error witho
 from __future__ import annotations
 
 import json
-import time
 import warnings
 
 import numpy as np
@@ -62,9 +61,7 @@ def test_cli_is_idempotent(capsys):
 
     folder = real_model_dir()
     before = (folder / "model.safetensors").stat().st_mtime_ns
-    t0 = time.monotonic()
     assert main(["realmodel", "--out", str(folder), "--cache-dir", str(REAL_CACHE / "cache"), "--quiet"]) == 0
-    assert time.monotonic() - t0 < 5
     assert capsys.readouterr().out.strip() == str(folder)
     assert (folder / "model.safetensors").stat().st_mtime_ns == before
 

@@ -334,15 +334,19 @@ async def test_alias_deploy_and_rollback_seen_within_a_poll(record_property):
         seen = []
         for target in (v2, v1):  # deploy, then rollback
             farm.registry.set_alias("acme/support:prod", target)
+            # the change must be live after the first routing poll that starts after it (counted, not
+            # timed: under CPU load a poll can come late, but never may a second one be needed)
+            polls_before = farm.registry.routing_calls
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            while await current() != target:
-                assert loop.time() - t0 < 3
+            while (got := await current()) != target and farm.registry.routing_calls < polls_before + 2:
                 await asyncio.sleep(0.02)
             seen.append(loop.time() - t0)
+            if got != target:  # poll polls_before+1 has been applied once poll +2 has started
+                got = await current()
+            assert got == target, f"alias still old after {farm.registry.routing_calls - polls_before} polls"
         record_property("alias_seen_s", seen)
         print(f"\nalias deploy seen after {seen[0]:.2f} s, rollback after {seen[1]:.2f} s (poll 1.0 s)")
-        assert max(seen) <= 1.5
 
 
 async def test_stats_pushed_and_slo_tracked(caplog):
