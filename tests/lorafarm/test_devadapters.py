@@ -1,3 +1,4 @@
+import copy
 import json
 
 import pytest
@@ -121,9 +122,15 @@ def test_undertrained_canary_is_trained_on_until_it_passes(dev_model, tmp_path, 
 
     tok = AutoTokenizer.from_pretrained(dev_model)
     base = AutoModelForCausalLM.from_pretrained(dev_model, dtype=torch.float32)
+    # 12 of the check prompts: the same loop, without training a 2-step canary on all 64 of them
+    # (most of this test's time; the full set is checked on every real canary, see above)
+    few = A.check_prompts()[:12]
+    monkeypatch.setattr(A, "check_prompts", lambda: few)
     A.train_canary(base, tok, A.canary_spec(3), tmp_path / "c", steps=2)
     meta = json.loads((tmp_path / "c" / "canary.json").read_text())
-    assert meta["extra_rounds"] >= 1 and meta["min_margin"] >= A.MARGIN
+    assert meta["extra_rounds"] >= 1 and meta["min_margin"] >= A.MARGIN and meta["check_prompts"] == 12
+    saved = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "c")  # what was written passes
+    assert min(A.marker_margins(saved, tok, A.canary_spec(3).marker, few)) >= A.MARGIN
 
     monkeypatch.setattr(A, "MAX_ROUNDS", 0)
     with pytest.raises(CliError, match="below margin"):
