@@ -171,6 +171,10 @@ ENGINE_TARGETS = [  # optional 6th element: the field to compare (default: token
      "prefix/ttft-cached-real", "prefix/ttft-uncached-real", 0.2, "<="),
     ("prefix cache: 80% of requests share one of 20 system prompts, tokens/s with / without (cold each round)",
      "prefix/mix-cached", "prefix/mix-uncached", None, None),
+    ("small-M kernel / MKL, SmolLM2 decode tokens/s, 1 request on an adapter (bench-peers W4's shape)",
+     "smallm/kernel-1", "smallm/mkl-1", 1.0, ">="),
+    ("small-M kernel / MKL, 4 requests on distinct adapters", "smallm/kernel-4", "smallm/mkl-4", 1.0, ">="),
+    ("small-M kernel / MKL, 8 requests on distinct adapters (W5's shape)", "smallm/kernel-8", "smallm/mkl-8", 1.0, ">="),
 ]
 
 ENGINE_7B_TARGETS = [

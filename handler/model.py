@@ -23,13 +23,14 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from handler import paged_attention
+from handler import paged_attention, small_gemm
 
 log = logging.getLogger(__name__)
 
@@ -622,12 +623,12 @@ def attend_group(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
 # step to step (which adapter each row uses, which blocks each row reads) stays outside them.
 
 
-def _attn_in(x, d, norm, w, b, eps: float):
+def _attn_in(x, d, norm, w, b, eps: float, linear=F.linear):
     """The residual of the previous layer's MLP (d, None on the first layer), RMSNorm, fused q/k/v."""
     if d is not None:
         x = x + d
     h = rms_norm(x, norm, eps)
-    return x, h, F.linear(h, w, b)
+    return x, h, linear(h, w, b)
 
 
 def _rope(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
@@ -640,25 +641,25 @@ def _rope(qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
-def _linear(x, w, b):
-    return F.linear(x, w, b)
+def _linear(x, w, b, linear=F.linear):
+    return linear(x, w, b)
 
 
-def _mlp_in(x, o, norm, w, b, eps: float):
+def _mlp_in(x, o, norm, w, b, eps: float, linear=F.linear):
     """The attention residual, RMSNorm, fused gate/up."""
     x = x + o
     h = rms_norm(x, norm, eps)
-    return x, h, F.linear(h, w, b)
+    return x, h, linear(h, w, b)
 
 
-def _mlp_out(gu, w, b, act: str):
+def _mlp_out(gu, w, b, act: str, linear=F.linear):
     half = gu.shape[1] // 2
     m = _ACTS[act](gu[:, :half]) * gu[:, half:]
-    return m, F.linear(m, w, b)
+    return m, linear(m, w, b)
 
 
-def _head(x, d, norm, w, eps: float):
-    return F.linear(rms_norm(x + d, norm, eps), w).float()
+def _head(x, d, norm, w, eps: float, linear=F.linear):
+    return linear(rms_norm(x + d, norm, eps), w).float()
 
 
 @dataclass
@@ -671,7 +672,11 @@ class Pieces:
     head: Any = _head
 
 
-EAGER = Pieces()
+# Eager steps multiply through `small_gemm.linear`: F.linear, except 1-8 float32 rows on the CPU (a
+# decode step of few requests), where our kernel reads each weight once for all rows instead of MKL
+# packing it per call. The compiled pieces keep F.linear (inductor sees through it).
+EAGER = Pieces(*(f if f is _rope else partial(f, linear=small_gemm.linear)
+                 for f in (_attn_in, _rope, _linear, _mlp_in, _mlp_out, _head)))
 
 # Batch-invariant pieces (`Runner.batch_invariant`): a row's products never depend on how many rows
 # share the step. CPU BLAS picks another kernel (another reduction order over k) for a matmul of

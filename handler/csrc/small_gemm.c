@@ -1,0 +1,74 @@
+/* Small-M linear for the CPU decode step: y[m, j] = sum_k x[m, k] * w[j, k] for M <= 8 rows of x.
+ *
+ * Why: a decode step multiplies a few rows (the running requests) by every weight matrix. MKL's sgemm
+ * packs the weight for each call at small M, so 2-8 rows cost 2-4x one row, although the work is bound by
+ * reading the weight once. Here every weight row is read once and dotted with all M rows of x (AVX2 FMA,
+ * one accumulator chain per (x row, w row)), so M rows cost about one.
+ *
+ * Each y[m, j] is one chain over k in a fixed order then a fixed horizontal sum: it does not depend on
+ * M, on which other rows share the call, on R-blocking or on the thread split (rows of w per thread).
+ * Built at first use by handler/small_gemm.py with -O3 -mavx2 -mfma -fopenmp; OpenMP resolves to the
+ * libgomp torch already loaded (same soname), so torch's thread pool is shared, not duplicated.
+ */
+#include <immintrin.h>
+#include <omp.h>
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+/* y[m, j] = sum_k x[m, k] * w[j, k], rows j in [j0, j1), R rows of w at a time (independent chains) */
+#define KERNEL(MM, R) \
+static void rows_##MM(const float *x, const float *w, float *y, long K, long D, long j0, long j1) { \
+    long j = j0; \
+    for (; j + R <= j1; j += R) { \
+        __m256 acc[R][MM]; \
+        for (int r = 0; r < R; r++) for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps(); \
+        long k = 0; \
+        for (; k + 8 <= K; k += 8) { \
+            __m256 xv[MM]; \
+            for (int m = 0; m < MM; m++) xv[m] = _mm256_loadu_ps(x + m * K + k); \
+            for (int r = 0; r < R; r++) { \
+                __m256 wv = _mm256_loadu_ps(w + (j + r) * K + k); \
+                for (int m = 0; m < MM; m++) acc[r][m] = _mm256_fmadd_ps(xv[m], wv, acc[r][m]); \
+            } \
+        } \
+        for (int r = 0; r < R; r++) for (int m = 0; m < MM; m++) { \
+            float s = hsum(acc[r][m]); \
+            for (long t = k; t < K; t++) s += x[m * K + t] * w[(j + r) * K + t]; \
+            y[m * D + j + r] = s; \
+        } \
+    } \
+    for (; j < j1; j++) { \
+        for (int m = 0; m < MM; m++) { \
+            __m256 a = _mm256_setzero_ps(); \
+            long k = 0; \
+            for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), _mm256_loadu_ps(w + j * K + k), a); \
+            float s = hsum(a); \
+            for (long t = k; t < K; t++) s += x[m * K + t] * w[j * K + t]; \
+            y[m * D + j] = s; \
+        } \
+    } \
+}
+KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 1) KERNEL(6, 1) KERNEL(7, 1) KERNEL(8, 1)
+
+typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
+static const rows_fn FNS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
+
+int lf_small_m_linear(const float *x, const float *w, float *y, long M, long K, long D, int threads) {
+    if (M < 1 || M > 8) return -1;
+    rows_fn f = FNS[M];
+    if (threads <= 1 || D < 64) { f(x, w, y, K, D, 0, D); return 0; }
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        long per = ((D + n - 1) / n + 7) / 8 * 8;
+        long a = t * per, b = a + per < D ? a + per : D;
+        if (a < b) f(x, w, y, K, D, a, b);
+    }
+    return 0;
+}

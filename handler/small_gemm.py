@@ -1,0 +1,139 @@
+"""`linear(x, w, b)`: F.linear, through our small-M kernel (handler/csrc/small_gemm.c) when a CPU
+decode step multiplies 1-8 float32 rows by a weight.
+
+Measured on the 2-core EPYC box (SmolLM2-135M shapes, one thread, `make bench -k small_gemm`): MKL's
+sgemm costs 2-4x more for 2-8 rows than for one, although the work is bound by reading the weight
+once; the kernel reads each weight row once for all rows. Above 8 rows (prefill, big batches) MKL's
+blocked GEMM is the right tool and is used as before.
+
+The kernel is compiled at first use with the system C compiler into a cache folder keyed by the
+source and flags ($LORAFARM_KERNEL_DIR, else ~/.cache/lorafarm/kernels), written atomically, and
+loaded with ctypes. Where it cannot be had (no compiler, no AVX2/FMA, another OS) or
+LORAFARM_SMALL_GEMM=0, `linear` is F.linear: the kernel is an optimisation, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8
+# Threads only for a product this big (multiply-adds; the LM head, not a layer's weights): a parallel
+# region is a barrier, and on a busy box a barrier per projection waits on a descheduled thread (measured
+# under stress-ng: 2 threads on every product made a decode step 2.4x slower than MKL, which keeps such
+# small products on one thread)
+PARALLEL_MIN = 8 << 20
+SOURCE = Path(__file__).with_name("csrc") / "small_gemm.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_fn = None  # the loaded kernel, or False when it cannot be had (checked once per process)
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("LORAFARM_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "lorafarm" / "kernels"
+
+
+def _cpu_ok() -> bool:
+    try:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except Exception:  # noqa: BLE001 - an older torch: ask the kernel's flags directly
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return " avx2" in flags and " fma" in flags
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernel (once per source and flags) and return the shared library's path.
+    Raises RuntimeError with the compiler's message when it cannot be built."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + "\0".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    d = out_dir or _cache_dir()
+    lib = d / f"small_gemm-{key}.so"
+    if lib.exists():
+        return lib
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".small_gemm-", suffix=".so", dir=d)
+    os.close(fd)
+    try:  # compile to a private name, then rename: a concurrent process never loads half a file
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _load():
+    global _fn
+    if _fn is not None:
+        return _fn
+    with _lock:
+        if _fn is not None:
+            return _fn
+        if os.environ.get("LORAFARM_SMALL_GEMM", "1") == "0" or not _cpu_ok():
+            _fn = False
+            return _fn
+        try:
+            f = ctypes.CDLL(str(build())).lf_small_m_linear
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("small-M linear kernel unavailable, using F.linear for decode steps: %s", e)
+            _fn = False
+            return _fn
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        f.restype = ctypes.c_int
+        _fn = f
+    return _fn
+
+
+def available() -> bool:
+    """Whether `linear` uses the kernel for small row counts in this process."""
+    return bool(_load())
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The kernel's domain: 1-8 contiguous float32 CPU rows by a contiguous float32 CPU weight."""
+    return (
+        x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32
+        and x.device.type == "cpu" and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()
+        and not x.requires_grad and not w.requires_grad and x.shape[1] == w.shape[1]
+    )  # fmt: skip
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b); for 1-8 float32 rows on the CPU, the small-M kernel (same math, its own
+    fixed reduction order per row)."""
+    if not applies(x, w):
+        return F.linear(x, w, b)
+    fn = _load()
+    if not fn:
+        return F.linear(x, w, b)
+    M, K = x.shape
+    D = w.shape[0]
+    y = torch.empty((M, D), dtype=torch.float32)
+    threads = torch.get_num_threads() if M * K * D >= PARALLEL_MIN else 1
+    if fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), M, K, D, threads) != 0:
+        return F.linear(x, w, b)
+    if b is not None:
+        y += b
+    return y
