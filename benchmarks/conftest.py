@@ -325,7 +325,8 @@ def _render_engine(data: dict, device: str, docs: Path, targets=None, title="Eng
         r = res[name]
         other = ", ".join(f"{k} {v:.3g}" for k, v in sorted(r.items())
                           if k not in ("tokens_per_s", "median_s", "samples", "rounds") and isinstance(v, (int, float)))
-        out.append(f"| {name} | {r['tokens_per_s']:.0f} | {r.get('median_s', float('nan')):.3f} | {other} |")
+        tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "-"  # a TTFT entry has none
+        out.append(f"| {name} | {tps} | {r.get('median_s', float('nan')):.3f} | {other} |")
     out += ["", "Ratios against the issue's targets (same run):", "", "| ratio | value | target |", "| --- | --- | --- |"]
     for label, num, den, target, op, *field in targets:
         v = _ratio(res, num, den, *field)
@@ -340,6 +341,7 @@ def _render_engine(data: dict, device: str, docs: Path, targets=None, title="Eng
 
         names = sorted(res)
         fig, ax = plt.subplots(figsize=(9, 4))
+        names = [n for n in names if "tokens_per_s" in res[n]]
         ax.barh(names, [res[n]["tokens_per_s"] for n in names],
                 color=["tab:gray" if ("peft" in n or "hf" in n) else "tab:blue" for n in names])
         ax.set_xlabel("generated tokens / s")
