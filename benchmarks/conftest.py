@@ -339,9 +339,8 @@ def _render_engine(data: dict, device: str, docs: Path, targets=None, title="Eng
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        names = sorted(res)
+        names = sorted(n for n in res if "tokens_per_s" in res[n])  # a TTFT entry has no bar
         fig, ax = plt.subplots(figsize=(9, 4))
-        names = [n for n in names if "tokens_per_s" in res[n]]
         ax.barh(names, [res[n]["tokens_per_s"] for n in names],
                 color=["tab:gray" if ("peft" in n or "hf" in n) else "tab:blue" for n in names])
         ax.set_xlabel("generated tokens / s")

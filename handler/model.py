@@ -675,8 +675,11 @@ class Pieces:
 # Eager steps multiply through `small_gemm.linear`: F.linear, except 1-8 float32 rows on the CPU (a
 # decode step of few requests), where our kernel reads each weight once for all rows instead of MKL
 # packing it per call. The compiled pieces keep F.linear (inductor sees through it).
-EAGER = Pieces(*(f if f is _rope else partial(f, linear=small_gemm.linear)
-                 for f in (_attn_in, _rope, _linear, _mlp_in, _mlp_out, _head)))
+def _small_m(piece):
+    return partial(piece, linear=small_gemm.linear)
+
+
+EAGER = Pieces(_small_m(_attn_in), _rope, _small_m(_linear), _small_m(_mlp_in), _small_m(_mlp_out), _small_m(_head))
 
 # Batch-invariant pieces (`Runner.batch_invariant`): a row's products never depend on how many rows
 # share the step. CPU BLAS picks another kernel (another reduction order over k) for a matmul of

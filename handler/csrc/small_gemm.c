@@ -21,6 +21,17 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, sh));
 }
 
+/* One row's product, the way the blocked loop below computes each of its chains (same bits): the
+ * rows of w left over after the last block of R */
+static inline float dot(const float *x, const float *w, long K) {
+    __m256 a = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a);
+    float s = hsum(a);
+    for (; k < K; k++) s += x[k] * w[k];
+    return s;
+}
+
 /* y[m, j] = sum_k x[m, k] * w[j, k], rows j in [j0, j1), R rows of w at a time (independent chains) */
 #define KERNEL(MM, R) \
 static void rows_##MM(const float *x, const float *w, float *y, long K, long D, long j0, long j1) { \
@@ -43,16 +54,8 @@ static void rows_##MM(const float *x, const float *w, float *y, long K, long D, 
             y[m * D + j + r] = s; \
         } \
     } \
-    for (; j < j1; j++) { \
-        for (int m = 0; m < MM; m++) { \
-            __m256 a = _mm256_setzero_ps(); \
-            long k = 0; \
-            for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), _mm256_loadu_ps(w + j * K + k), a); \
-            float s = hsum(a); \
-            for (long t = k; t < K; t++) s += x[m * K + t] * w[j * K + t]; \
-            y[m * D + j] = s; \
-        } \
-    } \
+    for (; j < j1; j++) \
+        for (int m = 0; m < MM; m++) y[m * D + j] = dot(x + m * K, w + j * K, K); \
 }
 KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 1) KERNEL(6, 1) KERNEL(7, 1) KERNEL(8, 1)
 
