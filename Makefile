@@ -111,10 +111,16 @@ bench-docs: $(VENV)/.installed-dev
 # peers are installed on demand (a llama.cpp compile of ~20 min on one core), the model and adapters converted
 # to GGUF, then measured; all of it under $(STATE_DIR)/peers (untracked). PEERS restricts the servers,
 # PEERS_ARGS adds or overrides run flags, PEERS_NICE prefixes the install (e.g. 'nice -n 19' on a shared box).
+# W6 (Zipf mix) runs after W1-W5 with servers restarted on a set of PEERS_ZIPF_ADAPTERS rank-8 attention-only
+# adapters (~3.7 MB each; converted to GGUF with the others), PEERS_ZIPF_REQUESTS requests per batch (empty: 64,
+# or PEERS_ARGS' --requests). W6 alone, quickly, beside the full run's results:
+#   make bench-peers PEERS_ROUNDS=1 PEERS_ZIPF_REQUESTS=16 PEERS_ARGS='--workloads W6 --out var/peers/results-w6'
 # docs/peers.md is rendered on its own: $(BIN)/python -m benchmarks.peers.report --from $(STATE_DIR)/peers/results --to docs
 PEERS ?= ours,vllm,llamacpp,transformers
 PEERS_ADAPTERS ?= 32
 PEERS_ROUNDS ?= 3
+PEERS_ZIPF_ADAPTERS ?= 1000
+PEERS_ZIPF_REQUESTS ?=
 PEERS_ARGS ?=
 PEERS_NICE ?=
 PEERS_MODEL ?= $(STATE_DIR)/peers/smollm2-135m-instruct
@@ -122,8 +128,10 @@ bench-peers: $(VENV)/.installed-dev
 	$(BIN)/lorafarm realmodel --out $(PEERS_MODEL) --quiet
 	$(PEERS_NICE) $(BIN)/python -m benchmarks.peers.install --peers $(PEERS) --root $(STATE_DIR)/peers
 	case ",$(PEERS)," in *,llamacpp,*) $(PEERS_NICE) $(BIN)/python -m benchmarks.peers.convert \
-		--model $(PEERS_MODEL) --adapters $(PEERS_ADAPTERS) --root $(STATE_DIR)/peers;; esac
+		--model $(PEERS_MODEL) --adapters $(PEERS_ADAPTERS) --zipf-adapters $(PEERS_ZIPF_ADAPTERS) \
+		--root $(STATE_DIR)/peers;; esac
 	$(BIN)/python -m benchmarks.peers.run --model $(PEERS_MODEL) --adapters $(PEERS_ADAPTERS) \
+		--zipf-adapters $(PEERS_ZIPF_ADAPTERS) $(if $(PEERS_ZIPF_REQUESTS),--zipf-requests $(PEERS_ZIPF_REQUESTS)) \
 		--rounds $(PEERS_ROUNDS) --peers $(PEERS) --root $(STATE_DIR)/peers --out $(STATE_DIR)/peers/results $(PEERS_ARGS)
 
 # The load test (about 10 min on a 2-core box): a fresh farm of 2 replicas, 200 synthetic adapters

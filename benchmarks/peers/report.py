@@ -4,7 +4,8 @@
 
 Tokens/s per workload and server is the median over rounds of each batch's completion tokens / wall
 time; TTFT p50/p95 over every request of every round; single-stream TPOT (W4) the median over
-requests of (total - TTFT) / (tokens - 1). --notes adds a hand-written section (what did not run, why).
+requests of (total - TTFT) / (tokens - 1). W6's servers (a second phase, started with its own
+adapter set) share their peers' columns. --notes adds a hand-written section (what did not run, why).
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ def load(results: Path) -> dict:
             "rounds": _read(results / "rounds.csv"), "agreement": _read(results / "agreement.csv")}
 
 
+def peers_of(meta: dict) -> list[str]:
+    """Each peer once, in the order first started (W6's phase starts most of them again), then those
+    only skipped (a W6-only run does not start transformers serve)."""
+    return list(dict.fromkeys([s["peer"] for s in meta["servers"]] + [k["peer"] for k in meta.get("skipped", [])]))
+
+
+def workloads_of(server_or_round: dict, meta: dict) -> list[str]:
+    """The workloads a server (or a round) ran; results from before W6 recorded none: all of them."""
+    named = server_or_round.get("workloads")
+    return (named.split() if isinstance(named, str) else named) or [w["name"] for w in meta["workloads"]]
+
+
 def summarise(data: dict) -> dict:
     """(workload, peer) -> tokens/s median, rounds, failed, TTFT p50/p95 (s), TPOT median (s)."""
     out: dict[tuple[str, str], dict] = {}
@@ -89,19 +102,21 @@ def _ratio(a, b) -> float | None:
 
 
 def table(data: dict, summary: dict) -> list[str]:
-    peers = [s["peer"] for s in data["meta"]["servers"]]
+    peers = peers_of(data["meta"])
     others = [p for p in peers if p != "ours"]
     head = ["workload", *[f"{NAMES.get(p, p)} tok/s" for p in peers],
             *([f"ours/{NAMES.get(p, p)}" for p in others] if "ours" in peers else []),
             f"TTFT p50 {' / '.join(NAMES.get(p, p) for p in peers)} (ms)",
             f"TTFT p95 {' / '.join(NAMES.get(p, p) for p in peers)} (ms)", "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    why = {(k["workload"], k["peer"]): k["why"] for k in data["meta"].get("skipped", [])}
     for w in data["meta"]["workloads"]:
         cells = {p: summary.get((w["name"], p)) for p in peers}
-        if not any(cells.values()):
+        if not any(cells.values()) and not any(n == w["name"] for n, _ in why):
             continue
         row = [f"{w['name']} {w['title']} ({w['requests']} requests)"]
-        row += [_num(c["tokens_per_s"]) if c else "not run" for c in cells.values()]
+        row += [_num(c["tokens_per_s"]) if c else f"n/a: {why[(w['name'], p)]}" if (w["name"], p) in why else "not run"
+                for p, c in cells.items()]
         if "ours" in peers:
             ours = cells["ours"]
             row += [f"{r:.2f}x" if (r := _ratio(ours and ours["tokens_per_s"], c and c["tokens_per_s"])) else "-"
@@ -140,7 +155,7 @@ def plots(data: dict, summary: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    peers = [s["peer"] for s in data["meta"]["servers"]]
+    peers = peers_of(data["meta"])
     wls = [w["name"] for w in data["meta"]["workloads"] if any(summary.get((w["name"], p)) for p in peers)]
     made = []
     for name, metrics, ylabel in [("throughput.png", [("tokens_per_s", "")], "completion tokens/s (median over rounds)"),
@@ -194,6 +209,30 @@ def short_command(cmd: str, cwd: str | None = None) -> str:
     return "".join(out)
 
 
+def zipf_setup(meta: dict) -> list[str]:
+    """How W6 ran: its adapter set, sizes, the law, how each of its servers holds the set."""
+    z = meta.get("zipf")
+    if not z:
+        return []
+    peers = [s["peer"] for s in meta["servers"] if "W6" in workloads_of(s, meta)]
+    holds = {"ours": "ours registers them all through its registry once up (ready after, below, includes it) and "
+                     "fetches one on first use",
+             "vllm": f"vLLM loads every one into its CPU cache at start-up (`--lora-modules`, `--max-cpu-loras "
+                     f"{z['adapters']}`)",
+             "llamacpp": "llama-server loads every one at start-up" + (
+                 f" ({z['gguf_bytes'] / z['adapters'] / 1e6:.1f} MB each as GGUF, {z['gguf_bytes'] / 1e9:.2f} GB "
+                 "in all)" if z.get("gguf_bytes") else "")}
+    return [f"**W6** runs in a second phase: once W1-W5's servers have stopped, "
+            f"{', '.join(NAMES.get(p, p) for p in peers) or 'no server'} start again with W6's own "
+            f"{z['adapters']:,} random rank-{z['rank']} PEFT adapters on {', '.join(z['target_modules'])} (seeded; "
+            f"{z['adapter_bytes'] / 1e6:.1f} MB each as float32 safetensors, {z['total_bytes'] / 1e9:.2f} GB in all). "
+            f"A request's adapter is drawn by a Zipf law, popularity rank k with probability proportional to "
+            f"1/k^{z['exponent']}, seeded per round: every server meets the same sequence in a round. "
+            f"{z['device_slots']} device adapter slots (ours `--slots`, vLLM `--max-loras`); "
+            + "; ".join(holds[p] for p in peers if p in holds)
+            + ". Warm-up: one base request and one on the least popular adapter per server, not measured.", ""]
+
+
 def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Path:
     meta, summary = data["meta"], summarise(data)
     pngs = plots(data, summary, to / "peers")
@@ -202,11 +241,13 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
     md = ["# Peers side by side", "",
           f"Generated by `python -m benchmarks.peers.report --from {results} --to {to}` from the raw CSVs of:", "",
           "```bash", meta["command"], "```", "",
-          f"Model `{Path(meta['model']).name}` in float32; {len(meta['adapters'])} random rank-16 PEFT adapters on all 7 "
-          f"projections (seeded); streamed chat through the official `openai` client, max_tokens {meta['max_tokens']}, "
+          f"Model `{Path(meta['model']).name}` in float32; "
+          + (f"{len(meta['adapters'])} random rank-16 PEFT adapters on all 7 projections (seeded); " if meta["adapters"] else "")
+          + f"streamed chat through the official `openai` client, max_tokens {meta['max_tokens']}, "
           f"greedy; {meta['rounds']} interleaved round(s), every server once per round in a shuffled order; "
           f"{meta['threads']} intra-op threads per server on a {meta['cpus']}-CPU machine ({meta['platform']}); "
           f"servers not being measured: {meta.get('idle_servers', 'running')}.", "",
+          *zipf_setup(meta),
           f"**Machine load** (1-minute load average): {_num(meta['load_at_start'][0], 2)} at the start"
           + (f", {_num(min(loads), 2)}-{_num(max(loads), 2)} over the rounds" if loads else "")
           + (f", {_num(meta['load_at_end'][0], 2)} at the end" if meta.get("load_at_end") else " (the run did not finish)")
@@ -215,7 +256,7 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
           "Tokens/s: median over rounds of a batch's completion tokens / its wall time. TTFT: first chunk carrying "
           "a token, over all requests of all rounds. Ratios: ours / the peer (above 1: ours is faster).", "",
           *table(data, summary), ""]
-    tpots = {p: summary.get(("W4", p), {}).get("tpot") for p in [s["peer"] for s in meta["servers"]]}
+    tpots = {p: summary.get(("W4", p), {}).get("tpot") for p in peers_of(meta)}
     if any(tpots.values()):
         md += ["Single-stream time per output token (W4, median): "
                + ", ".join(f"{NAMES.get(p, p)} {t * 1000:.1f} ms" for p, t in tpots.items() if t) + ".", ""]
@@ -235,21 +276,25 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
                       f"{NAMES.get(rs[0]['reference'], rs[0]['reference'])}) |")
     else:
         md.append("Not run.")
-    md += ["", "## Servers", "", "| server | version | threads | ready after (s) | installed |", "| --- | --- | --- | --- | --- |"]
+    md += ["", "## Servers", "", "| server | workloads | version | threads | ready after (s) | installed |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for s in meta["servers"]:
-        md.append(f"| {NAMES.get(s['peer'], s['peer'])} | {s['version']} | {s['threads']} | {_num(s['startup_s'], 0)} | {s['how']} |")
+        md.append(f"| {NAMES.get(s['peer'], s['peer'])} | {' '.join(workloads_of(s, meta))} | {s['version']} | "
+                  f"{s['threads']} | {_num(s['startup_s'], 0)} | {s['how']} |")
     md += ["", "Exact commands (environment: each server's thread variables; a run of adapter arguments shown as its "
            "first and last):", ""]
     for s in meta["servers"]:
         env = " ".join(f"{k}={v}" for k, v in s["env"].items())
-        md += [f"{NAMES.get(s['peer'], s['peer'])}:", "", "```bash", (env + " " if env else "") + short_command(s["command"]),
+        md += [f"{NAMES.get(s['peer'], s['peer'])} ({', '.join(workloads_of(s, meta))}):", "", "```bash", (env + " " if env else "") + short_command(s["command"]),
                "```", ""]
     if meta.get("skipped"):
         md += ["Not run: " + "; ".join(f"{NAMES.get(k['peer'], k['peer'])} {k['workload']} ({k['why']})"
                                       for k in meta["skipped"]) + ".", ""]
-    md += ["## Load per round", "", "| round | order | load1 at start | load1 at end | wall (s) |", "| --- | --- | --- | --- | --- |"]
+    md += ["## Load per round", "", "| round | workloads | order | load1 at start | load1 at end | wall (s) |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for r in data["rounds"]:
-        md.append(f"| {r['round']} | {r['order']} | {_num(_f(r['load1']), 2)} | {_num(_f(r['load1_end']), 2)} | {r['wall_s']} |")
+        md.append(f"| {r['round']} | {' '.join(workloads_of(r, meta))} | {r['order']} | {_num(_f(r['load1']), 2)} | "
+                  f"{_num(_f(r['load1_end']), 2)} | {r['wall_s']} |")
     if notes:
         md += ["", "## Notes", "", notes.strip()]
     to.mkdir(parents=True, exist_ok=True)

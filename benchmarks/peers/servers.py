@@ -6,16 +6,19 @@ command) and the same float32 weights; each is otherwise configured as its own d
 - ours: `lorafarm up --replicas 1 --base DIR --adapters ...` (registry, router, replica); requests go
   through the router and name an adapter by its alias (demo/<folder>:prod), uploaded through the
   registry at start-up. Device slots for every adapter; the router's stream timeouts raised so 32
-  cold adapters at once do not cut streams.
+  cold adapters at once do not cut streams. W6's 1,000 adapters: `lorafarm up` without them, then
+  the same registry upload from here, UPLOAD_CONCURRENCY at a time (OursServer.wait_ready).
 - vllm: `python -m vllm.entrypoints.openai.api_server --model DIR --enable-lora --max-loras N --lora-modules name=path ...`; an adapter is a
   model name. CPU: VLLM_CPU_OMP_THREADS_BIND pins `threads` cores, VLLM_CPU_KVCACHE_SPACE in GiB.
-- llamacpp: `llama-server -m base.gguf --lora a.gguf ... --lora-init-without-apply --parallel 32`;
-  a request picks its adapter with `"lora": [{"id": i, "scale": 1}]`.
+  Each --lora-modules entry is loaded into its CPU cache (--max-cpu-loras) at start-up.
+- llamacpp: `llama-server -m base.gguf --lora a.gguf,... --lora-init-without-apply --parallel 32`;
+  a request picks its adapter with `"lora": [{"id": i, "scale": 1}, ...]` (every adapter listed).
 - transformers: `transformers serve DIR --continuous-batching`; base model only (no per-request LoRA).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -34,6 +37,8 @@ from lorafarm.errors import CliError
 from lorafarm.farm import FarmPorts, _free_port
 
 KV_TOKENS_PER_REQUEST = 512  # prompt + 64 new tokens fit with room; llama.cpp's per-slot context
+UPLOAD_CONCURRENCY = 4  # ours' registry uploads in flight while registering W6's set
+LORA_ARG_CHUNK = 200  # GGUF paths per --lora argument: 1,000 in one would near Linux's 128 KiB per argument
 
 
 @dataclass
@@ -169,37 +174,87 @@ def _threads_env(threads: int) -> dict[str, str]:
 
 
 def ours(installed: Installed, model: Path, adapters: list[Path], state: Path, threads: int,
-         replica_flags: str, router_flags: str) -> "OursServer":
+         replica_flags: str, router_flags: str, upload: bool = False, progress: bool = True) -> "OursServer":
+    """upload: the adapters registered from here once the farm is up (W6's 1,000), not by `lorafarm up`."""
     ports = FarmPorts.free(1)
     name = model.resolve().name
+    listed = adapters if adapters and not upload else []
     cmd = [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(state),
            "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base),
-           "--base", f"{name}={model.resolve()}", *(["--adapters", *map(str, adapters)] if adapters else []),
+           "--base", f"{name}={model.resolve()}", *(["--adapters", *map(str, listed)] if listed else []),
            "--replica-flags", replica_flags, "--router-flags", router_flags]
     return OursServer("ours", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{ports.router}/health",
-                      f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log", settle_s=3.0)
+                      f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log", settle_s=3.0,
+                      model_dir=model.resolve(), uploads=adapters if upload else [], progress=progress)
 
 
+@dataclass
 class OursServer(Server):
-    """`lorafarm up`: ready once it prints its examples (the farm is seeded); names from farm.json."""
+    """`lorafarm up`: ready once it prints its examples (the farm is seeded) and `uploads` are
+    registered; names from farm.json."""
+
+    model_dir: Path | None = None
+    uploads: list[Path] = field(default_factory=list)
+    progress: bool = True
 
     def _wait_ready(self, timeout: float) -> None:
         super()._wait_ready(timeout)  # the router answers /health ...
-        farm_json = Path(self.log).parent / "farm.json"
         deadline = time.monotonic() + timeout
         while "Ctrl-C stops the farm" not in self.log.read_text(errors="replace"):  # ... and seeding is done
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise CliError(f"ours did not finish seeding; see {self.log}")
             time.sleep(0.5)
-        farm = json.loads(farm_json.read_text())
+
+    def wait_ready(self, timeout: float = 900.0) -> "OursServer":
+        self._wait_ready(timeout)
+        farm = json.loads((Path(self.log).parent / "farm.json").read_text())
         tenant = farm["tenants"][0]
         self.api_key = tenant["api_key"]
+        if self.uploads:
+            from lorafarm.farm import wait_router_ready
+
+            tenant["aliases"] = asyncio.run(self._upload(farm))
+            wait_router_ready(farm, timeout)
         self.adapters = {alias.split("/", 1)[1].rsplit(":", 1)[0]: (alias, {}) for alias in tenant["aliases"]}
+        self.started_s = time.monotonic() - self._t0
+        return self
+
+    async def _upload(self, farm: dict) -> dict[str, str]:
+        """`uploads` through the registry as `lorafarm up --adapters` sends them (same call, same
+        alias), several at a time: it sends them one by one with a log line each, and the registry took
+        0.3-0.5 s per 19.5 MB adapter (the main set): minutes for 1,000 with no progress shown.
+        -> alias: adapter id."""
+        from tqdm import tqdm
+
+        from archives.basehash import base_model_hash
+        from lorafarm.realbase import alias_name
+        from lorafarm.registry_client import RegistryClient
+
+        tenant = farm["tenants"][0]["tenant_id"]
+        trained_on = await asyncio.to_thread(base_model_hash, self.model_dir)
+        sem = asyncio.Semaphore(UPLOAD_CONCURRENCY)
+        aliases: dict[str, str] = {}
+        async with RegistryClient(farm["registry_url"], farm["admin_token"], timeout=120.0) as reg:
+            with tqdm(total=len(self.uploads), desc="ours: registering adapters", unit="adapter",
+                      disable=not self.progress) as bar:
+
+                async def one(folder: Path) -> None:
+                    alias = f"{tenant}/{alias_name(folder)}:prod"
+                    async with sem:
+                        got = await reg.upload_adapter(folder, tenant, alias=alias, base_model=self.base_model,
+                                                       base_model_hash=trained_on)
+                    aliases[alias] = got["adapter_id"]
+                    bar.update(1)
+
+                await asyncio.gather(*(one(f) for f in self.uploads))
+        return aliases
 
 
 def vllm(installed: Installed, model: Path, adapters: list[Path], logs: Path, threads: int,
-         kv_gib: int = 4) -> Server:
+         kv_gib: int = 4, rank: int = 16, max_loras: int | None = None, cpu_loras: int | None = None) -> Server:
+    """max_loras: adapters in one batch (default: all of them); cpu_loras: its CPU cache of loaded
+    adapters (default: vLLM's, max_loras)."""
     port = _free_port()
     # the API server module rather than the `vllm` CLI: vllm-cpu's CLI asks for the metadata of a
     # distribution named "vllm" and exits (PackageNotFoundError) when only "vllm-cpu" is installed
@@ -209,7 +264,8 @@ def vllm(installed: Installed, model: Path, adapters: list[Path], logs: Path, th
            "--served-model-name", "base", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
            "--uvicorn-log-level", "warning"]
     if adapters:
-        cmd += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", "16",
+        cmd += ["--enable-lora", "--max-loras", str(max_loras or len(adapters)), "--max-lora-rank", str(rank),
+                *(["--max-cpu-loras", str(cpu_loras)] if cpu_loras else []),
                 "--lora-modules", *[f"{a.name}={a.resolve()}" for a in adapters]]
     env = {**_threads_env(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -224,10 +280,17 @@ def llamacpp(installed: Installed, base_gguf: Path, loras: dict[str, Path], logs
            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(parallel),
            "--ctx-size", str(parallel * KV_TOKENS_PER_REQUEST), "--alias", "base", "--no-webui"]
     names = list(loras)
-    if names:  # every adapter loaded once, none applied unless a request asks (ids in this order)
-        cmd += ["--lora", ",".join(str(loras[n].resolve()) for n in names), "--lora-init-without-apply"]
+    for i in range(0, len(names), LORA_ARG_CHUNK):  # every adapter loaded once (ids in this order)
+        cmd += ["--lora", ",".join(str(loras[n].resolve()) for n in names[i:i + LORA_ARG_CHUNK])]
+    if names:  # none applied unless a request asks
+        cmd.append("--lora-init-without-apply")
+    zeros = [{"id": i, "scale": 0.0} for i in range(len(names))]  # shared: 1,000 lists of 1,000, not 10^6 dicts
+
     def scales(on: int | None) -> dict:
-        return {"lora": [{"id": i, "scale": 1.0 if i == on else 0.0} for i in range(len(names))]}
+        listed = zeros.copy()
+        if on is not None:
+            listed[on] = {"id": on, "scale": 1.0}
+        return {"lora": listed}
 
     adapters = {n: ("base", scales(i)) for i, n in enumerate(names)}
     server = Server("llamacpp", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{port}/health",

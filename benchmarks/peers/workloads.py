@@ -4,15 +4,21 @@ Every request is a streamed chat completion through the official `openai` AsyncO
 max_tokens 64, temperature 0 (greedy), usage in the final chunk. TTFT = time to the first chunk
 carrying a token (non-empty delta content); tokens = usage.completion_tokens; a batch's tokens/s =
 its completion tokens / its wall time (first request sent to last stream closed).
+
+W6 draws each request's adapter from a set of its own (adapters.zipf_dirs, 1,000 by default) by a
+Zipf law: the adapter of popularity rank k with probability proportional to 1 / k**1.1, rank 1 the
+set's first adapter. The sequence is seeded by the round, so every server meets the same one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_TOKENS = 64
+ZIPF_EXPONENT = 1.1
 
 
 @dataclass(frozen=True)
@@ -22,12 +28,18 @@ class Workload:
     adapters: bool  # each request on its own adapter (round robin over the adapters) or the base
     concurrency: int
     requests: int
+    zipf_pool: int = 0  # > 0: adapters drawn by zipf_sequence from a set of this many (W6); 0: the main set
 
     def scaled(self, requests: int | None) -> "Workload":
         """The same workload with `requests` requests (concurrency capped to it): quick runs, smoke tests."""
         if not requests:
             return self
-        return Workload(self.name, self.title, self.adapters, min(self.concurrency, requests), requests)
+        return replace(self, concurrency=min(self.concurrency, requests), requests=requests)
+
+    def pooled(self, adapters: int) -> "Workload":
+        """A Zipf workload over `adapters` adapters (its title says how many)."""
+        return replace(self, zipf_pool=adapters,
+                       title=f"Zipf {ZIPF_EXPONENT} over {adapters:,} adapters, {self.concurrency} concurrent")
 
 
 WORKLOADS = {w.name: w for w in [
@@ -35,7 +47,15 @@ WORKLOADS = {w.name: w for w in [
     Workload("W2", "32 distinct adapters, 32 concurrent", True, 32, 32),
     Workload("W4", "single stream, distinct adapters", True, 1, 4),
     Workload("W5", "32 distinct adapters, 8 concurrent", True, 8, 32),
+    Workload("W6", "Zipf 1.1 over 1,000 adapters, 8 concurrent", True, 8, 64, zipf_pool=1000),
 ]}
+
+
+def zipf_sequence(names: list[str], count: int, seed: int, exponent: float = ZIPF_EXPONENT) -> list[str]:
+    """`count` adapters drawn from `names` (popularity rank k = names[k - 1]) with probability
+    proportional to 1 / k**exponent; the same seed gives the same sequence."""
+    weights = [k ** -exponent for k in range(1, len(names) + 1)]
+    return random.Random(seed).choices(names, weights=weights, k=count)
 
 
 @dataclass
@@ -76,7 +96,8 @@ async def one(client, model: str, extra_body: dict, prompt: str, index: int, ada
 
 async def run_batch(server, workload: Workload, prompts: list[str], adapters: list[str],
                     max_tokens: int = MAX_TOKENS, timeout: float = 1800.0) -> tuple[float, list[Result]]:
-    """All of a workload's requests against one server at its concurrency: (wall seconds, results)."""
+    """All of a workload's requests against one server at its concurrency: (wall seconds, results).
+    Request i goes to adapters[i % len(adapters)]: round robin over a set, or a drawn sequence (W6)."""
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 

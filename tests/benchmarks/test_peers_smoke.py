@@ -1,7 +1,8 @@
 """The peers harness end to end on the tiny dev model so it does not rot: ours (`lorafarm up`, two
 adapters uploaded through the registry) and `transformers serve` (the peer that installs quickly:
 our venv's, whose dev extra carries its serving deps; else the harness installs it with pip and a
-failure fails the test) through run.py's own code path, then report.py renders docs from the CSVs."""
+failure fails the test) through run.py's own code path, then report.py renders docs from the CSVs.
+W6's phase runs on ours alone: its own adapters registered through the registry once the farm is up."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from pathlib import Path
 
 from benchmarks.peers import report, run
+from benchmarks.peers.workloads import zipf_sequence
 
 
 def _rows(path: Path) -> list[dict]:
@@ -59,8 +61,35 @@ def test_peers_run_and_report(dev_model, tmp_path, capsys):
     table = [ln for ln in md.splitlines() if ln.startswith("| W1 ") or ln.startswith("| workload |")]
     assert len(table) == 2 and "ours/transformers serve" in table[0]
     assert table[1].count("x |") == 1  # the ours/transformers ratio
-    assert "not run" in next(ln for ln in md.splitlines() if ln.startswith("| W2 "))
+    assert "| n/a: no per-request LoRA |" in next(ln for ln in md.splitlines() if ln.startswith("| W2 "))
     assert (docs / "peers" / "throughput.png").stat().st_size > 0 and (docs / "peers" / "ttft.png").exists()
+
+
+def test_peers_w6_through_our_registry(dev_model, tmp_path, capsys):
+    out = tmp_path / "results"
+    rc = run.main(["--model", str(dev_model), "--rounds", "1", "--peers", "ours,transformers", "--workloads", "W6",
+                   "--zipf-adapters", "5", "--zipf-requests", "4", "--max-tokens", "8", "--threads", "1",
+                   "--root", str(tmp_path / "peers"), "--out", str(out), "--quiet"])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+
+    reqs = _rows(out / "requests.csv")
+    assert all(r["ok"] == "True" and (r["peer"], r["workload"]) == ("ours", "W6") for r in reqs), reqs
+    # round 1 of seed 0: the sequence every server of that round meets
+    assert [r["adapter"] for r in reqs] == zipf_sequence([f"synth-{i:05d}" for i in range(5)], 4, seed=1)
+    meta = json.loads((out / "meta.json").read_text())
+    (ours,) = meta["servers"]  # transformers serve has no per-request LoRA: not started
+    assert ours["workloads"] == ["W6"] and "--adapters" not in ours["command"]  # registered after start-up
+    assert {(k["peer"], k["workload"]) for k in meta["skipped"]} == {("transformers", "W6")}
+    z = meta["zipf"]
+    assert (z["adapters"], z["rank"], z["target_modules"]) == (5, 8, ["k_proj", "o_proj", "q_proj", "v_proj"])
+    assert z["total_bytes"] == 5 * z["adapter_bytes"] > 0
+    (rnd,) = _rows(out / "rounds.csv")
+    assert (rnd["workloads"], rnd["order"]) == ("W6", "ours")
+
+    docs = tmp_path / "docs"
+    assert report.main(["--from", str(out), "--to", str(docs)]) == 0
+    w6 = next(ln for ln in (docs / "peers.md").read_text().splitlines() if ln.startswith("| W6 "))
+    assert "Zipf 1.1 over 5 adapters" in w6 and "| n/a: no per-request LoRA |" in w6  # transformers' column
 
 
 def test_bad_input_is_one_line(dev_model, tmp_path, capsys):
