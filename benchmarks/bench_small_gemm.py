@@ -1,10 +1,12 @@
-"""The small-M CPU kernel (handler/small_gemm.py) against MKL's F.linear, in the same run.
+"""CPU decode steps four ways, in the same run: the C decode step (handler/decode_step.py) with
+threads on the LM head only (the default) and on every product (LORAFARM_PARALLEL_PRODUCTS=all), and
+the torch forward with the small-M kernel (handler/small_gemm.py) or with MKL's F.linear.
 
 Decode steps of 1, 4 and 8 requests on the real model (SmolLM2-135M-Instruct, float32; skipped where
 the package registry cannot be reached), each request on its own rank-16 adapter (all seven
 projections): the W4 (single stream) and W5 (8 concurrent) shapes of `make bench-peers`. One engine;
-every round times each variant once, in a shuffled order, switching only the product the layers use
-(the kernel, or F.linear as before it). Figures go to the engine suite (`make bench-docs`).
+every round times each variant once, in a shuffled order, switching only what the step runs.
+Figures go to the engine suite (`make bench-docs`).
 
     make bench PYTEST_ARGS='-k small_gemm'
 """
@@ -56,12 +58,17 @@ def _decode(e: Engine, rows: int, tag: str) -> tuple[float, list[list[int]]]:
     return (time.perf_counter() - t0) / steps, outs
 
 
+VARIANTS = ("cstep", "cstep-all", "kernel", "mkl")
+
+
 @pytest.mark.skipif(not small_gemm.available(), reason="small-M kernel not built here (no cc or AVX2)")
 def test_small_gemm_decode_steps(benchmark, bench_report, real_engine):
     if bench_report.device != "cpu":
         pytest.skip("a CPU kernel")
     kernel = small_gemm._load()
-    variants = [(v, r) for r in ROWS for v in ("kernel", "mkl")]
+    cstep, parallel_min = real_engine.decode_step, small_gemm.PARALLEL_MIN
+    assert cstep is not None
+    variants = [(v, r) for r in ROWS for v in VARIANTS]
     samples: dict[tuple[str, int], list[float]] = {k: [] for k in variants}
     tokens: dict[tuple[str, int], list] = {}
     rng = random.Random(0)
@@ -70,29 +77,30 @@ def test_small_gemm_decode_steps(benchmark, bench_report, real_engine):
     def one_round(record: bool = True):
         rng.shuffle(variants)
         for v, r in variants:
-            small_gemm._fn = kernel if v == "kernel" else False
+            small_gemm._fn = False if v == "mkl" else kernel
+            real_engine.decode_step = cstep if v.startswith("cstep") else None
+            small_gemm.PARALLEL_MIN = 0 if v == "cstep-all" else parallel_min
             n[0] += 1
             try:
                 dt, out = _decode(real_engine, r, f"{v}{n[0]}")
             finally:
-                small_gemm._fn = kernel
+                small_gemm._fn, real_engine.decode_step, small_gemm.PARALLEL_MIN = kernel, cstep, parallel_min
             if record:
                 samples[(v, r)].append(dt)
                 tokens[(v, r)] = out
 
     one_round(record=False)
-    benchmark.group = "small-M kernel vs MKL, SmolLM2 decode step (one round = every variant once)"
+    benchmark.group = "C decode step vs torch (small-M kernel, MKL), SmolLM2 decode step (one round = every variant once)"
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     notes = []
     for r in ROWS:
-        for v in ("kernel", "mkl"):
+        for v in VARIANTS:
             xs = samples[(v, r)]
             bench_report.add(SUITE, f"smallm/{v}-{r}", tokens_per_s=r / statistics.median(xs),
                              median_s=statistics.median(xs), rounds=len(xs), samples=[r / x for x in xs])
-        ratio = statistics.median(m / k for k, m in zip(samples[("kernel", r)], samples[("mkl", r)]))
-        same = tokens[("kernel", r)] == tokens[("mkl", r)]
-        notes.append(f"{r} rows: {statistics.median(samples[('kernel', r)]) * 1e3:.1f} vs "
-                     f"{statistics.median(samples[('mkl', r)]) * 1e3:.1f} ms per step ({ratio:.2f}x), "
-                     f"greedy tokens {'equal' if same else 'DIFFER'}")
-    bench_report.note(SUITE, "small-M kernel (SmolLM2, decode steps, distinct rank-16 adapters, "
-                             f"{torch.get_num_threads()} threads, {ROUNDS} rounds)", "; ".join(notes))
+        same = all(tokens[(v, r)] == tokens[("mkl", r)] for v in VARIANTS)
+        ms = " / ".join(f"{statistics.median(samples[(v, r)]) * 1e3:.1f}" for v in VARIANTS)
+        notes.append(f"{r} rows: {ms} ms per step, greedy tokens {'equal' if same else 'DIFFER'}")
+    bench_report.note(SUITE, "decode steps (SmolLM2, distinct rank-16 adapters, "
+                             f"{torch.get_num_threads()} threads, {ROUNDS} rounds): " + " / ".join(VARIANTS),
+                      "; ".join(notes))

@@ -62,6 +62,9 @@ from handler.lora import InvalidAdapterWeightsError, ModelLoRA, SlotImage, read_
 from handler.merge import MergedAdapter, merge_adapter
 from handler import paged_attention
 from handler.model import Runner, StepBuffers, bucket_rows, build_step_batch, to_device
+from handler.decode_step import MAX_ROWS as DECODE_STEP_ROWS
+from handler.decode_step import DecodeStep
+from handler.decode_step import why_not as decode_step_why_not
 from handler.paged_attention import DecodeTables
 from handler.sampling import RowState, SamplingParams, sample
 
@@ -150,6 +153,7 @@ class EngineStats:
     kv_cache_capacity_tokens: int = 0
     preemptions: int = 0  # requests preempted (by recompute) because the KV cache ran out
     attention: str = "gather"  # decode attention in use: "paged" (in place) or "gather"
+    decode_step_c: int = 0  # decode steps run by the C decode step (`handler.decode_step`)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_cache_hits: int = 0  # of those, tokens found cached (not prefilled)
     prefix_cache_blocks: int = 0  # blocks holding a cached prefix block now (in use or not)
@@ -218,6 +222,7 @@ class Engine:
         batch_invariant: bool = False,
         prefix_cache: bool = False,
         cache_key: str | None = None,
+        decode_step: bool | None = None,
     ):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
@@ -242,6 +247,9 @@ class Engine:
         prefix_cache: reuse the KV blocks of identical prompt prefixes (module docstring), keyed by
         `cache_key` (the base model's identity; default the model folder), the adapter id and the
         request's `cache_salt`.
+        decode_step: steps of 1-8 decode rows through the C decode step (`handler.decode_step`): None
+        (default) where it applies and attention is "auto" without compile or batch_invariant, True
+        required (ValueError where it cannot apply), False never.
         """
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
@@ -322,6 +330,15 @@ class Engine:
         if attention == "paged" or (attention == "auto" and not self.batch_invariant
                                     and paged_attention.prefers_paged(self.device, c.num_kv_heads, c.head_dim)):
             self.decode_tables = self._probe_attention(required=attention == "paged")
+
+        self.decode_step: DecodeStep | None = None
+        if decode_step or (decode_step is None and attention == "auto" and not compile and not self.batch_invariant):
+            why = decode_step_why_not(self.runner, self.kv, self.lora)
+            if why and decode_step:
+                raise ValueError(f"decode_step: {why}")
+            if why is None:
+                self.decode_step = DecodeStep(self.runner, self.kv, self.lora)
+            log.info("decode steps of 1-%d rows: %s", DECODE_STEP_ROWS, why or "C decode step")
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -583,6 +600,7 @@ class Engine:
                 kv_cache_capacity_tokens=self.kv.capacity_tokens,
                 preemptions=self._preemptions,
                 attention=self.attention,
+                decode_step_c=self.decode_step.steps if self.decode_step is not None else 0,
                 prefix_cache_queries=self._prefix_queries,
                 prefix_cache_hits=self._prefix_hits,
                 prefix_cache_blocks=self.kv.pool.cached,
@@ -595,12 +613,14 @@ class Engine:
         return "gather" if self.decode_tables is None else "paged"
 
     def set_attention(self, attention: str) -> None:
-        """Use this decode attention ("paged" or "gather") from the next step on (benchmarks, tests)."""
+        """Use this decode attention ("paged" or "gather") from the next step on (benchmarks, tests);
+        every decode step then takes the torch path (the C decode step has its own attention)."""
         if attention not in ("paged", "gather"):
             raise ValueError(f"attention must be 'paged' or 'gather', not {attention!r}")
         tables = self._probe_attention(required=True) if attention == "paged" else None
         with self._step_lock:
             self.decode_tables = tables
+            self.decode_step = None
 
     def measure_attention(self, timed: bool = True) -> paged_attention.Probe:
         """The paged decode kernel compiled and checked against the gathered path for this engine's
@@ -672,6 +692,8 @@ class Engine:
                     slots = slots + [0] * (pad_to - len(slots))
 
                 def forward():
+                    if self.decode_step is not None and not prefill and len(seqs) <= DECODE_STEP_ROWS:
+                        return self.decode_step([(ids[0], start, table) for ids, start, table in seqs], slots)
                     batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
                                              decode_from=len(prefill), pad_block=self.kv.null_block,
                                              decode_tables=self.decode_tables, buffers=self._buffers,

@@ -33,13 +33,20 @@ MAX_ROWS = 8
 # Threads only for a product this big (multiply-adds; the LM head, not a layer's weights): a parallel
 # region is a barrier, and on a busy box a barrier per projection waits on a descheduled thread (measured
 # under stress-ng: 2 threads on every product made a decode step 2.4x slower than MKL, which keeps such
-# small products on one thread)
-PARALLEL_MIN = 8 << 20
-SOURCE = Path(__file__).with_name("csrc") / "small_gemm.c"
+# small products on one thread). LORAFARM_PARALLEL_PRODUCTS=all puts every product (and the C decode
+# step's LoRA rows) on torch's threads: for a host whose cores serve the replica alone, where it makes a
+# single-stream decode step of SmolLM2 1.4x faster on 2 cores (docs/benchmarks.md).
+PARALLEL_MIN = 0 if os.environ.get("LORAFARM_PARALLEL_PRODUCTS", "") == "all" else 8 << 20
+# one library for the CPU kernels: decode_step.c includes small_gemm.c (its products go through it)
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "decode_step.c"
+SOURCES = (CSRC / "small_gemm.c", SOURCE)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lm"]
 
 _lock = threading.Lock()
-_fn = None  # the loaded kernel, or False when it cannot be had (checked once per process)
+_lib = None  # the loaded library, or False when it cannot be had (checked once per process)
+_fn = None  # its small-M linear, or False
 
 
 def _cache_dir() -> Path:
@@ -53,22 +60,22 @@ def _cpu_ok() -> bool:
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernel (once per source and flags) and return the shared library's path.
+    """Compile the kernels (once per sources and flags) and return the shared library's path.
     Raises RuntimeError with the compiler's message when it cannot be built."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + "\0".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    src = b"\0".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(src + "\0".join([cc, *FLAGS, *LIBS]).encode()).hexdigest()[:16]
     d = out_dir or _cache_dir()
-    lib = d / f"small_gemm-{key}.so"
+    lib = d / f"lorafarm_kernels-{key}.so"
     if lib.exists():
         return lib
     d.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".small_gemm-", suffix=".so", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".lorafarm_kernels-", suffix=".so", dir=d)
     os.close(fd)
     try:  # compile to a private name, then rename: a concurrent process never loads half a file
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
@@ -78,25 +85,38 @@ def build(out_dir: Path | None = None) -> Path:
     return lib
 
 
+def library():
+    """The kernels' shared library (ctypes.CDLL), or False where it cannot be had or
+    LORAFARM_SMALL_GEMM=0 (then decode steps use torch alone)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if os.environ.get("LORAFARM_SMALL_GEMM", "1") == "0" or not _cpu_ok():
+            _lib = False
+            return _lib
+        try:
+            _lib = ctypes.CDLL(str(build()))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("CPU decode kernels unavailable, decode steps use torch alone: %s", e)
+            _lib = False
+    return _lib
+
+
 def _load():
     global _fn
     if _fn is not None:
         return _fn
-    with _lock:
-        if _fn is not None:
-            return _fn
-        if os.environ.get("LORAFARM_SMALL_GEMM", "1") == "0" or not _cpu_ok():
-            _fn = False
-            return _fn
-        try:
-            f = ctypes.CDLL(str(build())).lf_small_m_linear
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("small-M linear kernel unavailable, using F.linear for decode steps: %s", e)
-            _fn = False
-            return _fn
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        f.restype = ctypes.c_int
-        _fn = f
+    lib = library()
+    if not lib:
+        _fn = False
+        return _fn
+    f = lib.lf_small_m_linear
+    f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    f.restype = ctypes.c_int
+    _fn = f
     return _fn
 
 

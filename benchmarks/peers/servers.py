@@ -164,7 +164,7 @@ class Server:
     def describe(self) -> dict:
         return {"peer": self.peer, "version": self.installed.version, "how": self.installed.how,
                 "threads": self.threads, "command": shlex.join(self.command),
-                "env": {k: v for k, v in self.env.items() if k.startswith(("OMP_", "VLLM_", "MKL_"))},
+                "env": {k: v for k, v in self.env.items() if k.startswith(("OMP_", "VLLM_", "MKL_", "LORAFARM_"))},
                 "startup_s": round(self.started_s, 1) if self.started_s else None}
 
 
@@ -183,7 +183,10 @@ def ours(installed: Installed, model: Path, adapters: list[Path], state: Path, t
            "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base),
            "--base", f"{name}={model.resolve()}", *(["--adapters", *map(str, listed)] if listed else []),
            "--replica-flags", replica_flags, "--router-flags", router_flags]
-    return OursServer("ours", installed, cmd, _threads_env(threads), f"http://127.0.0.1:{ports.router}/health",
+    # every product on the replica's threads, as llama.cpp and vLLM use theirs: the bench gives each server
+    # the machine alone (the others paused), the host LORAFARM_PARALLEL_PRODUCTS=all is meant for
+    env = {**_threads_env(threads), "LORAFARM_PARALLEL_PRODUCTS": "all"}
+    return OursServer("ours", installed, cmd, env, f"http://127.0.0.1:{ports.router}/health",
                       f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log", settle_s=3.0,
                       model_dir=model.resolve(), uploads=adapters if upload else [], progress=progress)
 

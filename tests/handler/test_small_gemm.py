@@ -97,8 +97,8 @@ def test_disabled_or_unbuildable_falls_back_with_a_warning(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert broken.returncode == 0, broken.stderr
     assert "available False" in broken.stdout
-    assert "small-M linear kernel unavailable" in broken.stderr and "simulated" in broken.stderr
-    assert not list((tmp_path / "k").glob("*.so")) and not list((tmp_path / "k").glob(".small_gemm-*"))
+    assert "CPU decode kernels unavailable" in broken.stderr and "simulated" in broken.stderr
+    assert not list((tmp_path / "k").glob("*.so")) and not list((tmp_path / "k").glob(".lorafarm_kernels-*"))
 
 
 def test_built_once_and_reused(tmp_path):
