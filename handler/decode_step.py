@@ -129,6 +129,11 @@ class DecodeStep:
         if not 1 <= M <= MAX_ROWS:
             raise ValueError(f"{M} rows: the C decode step takes 1-{MAX_ROWS}")
         bs = self.kv.block_size
+        V, P, B = self.runner.config.vocab_size, self.runner.cos.shape[0], self.kv.k.shape[1]
+        # C reads where these point: anything out of range is refused here, never read
+        if not all(0 <= t < V and 0 <= p < P and 0 < p // bs + 1 <= len(tb) and all(0 <= b < B for b in tb[: p // bs + 1])
+                   for t, p, tb in rows):
+            raise ValueError("decode row out of range (token, position or block table)")
         nb = max(p // bs + 1 for _, p, _ in rows)
         tok = torch.tensor([t for t, _, _ in rows], dtype=torch.long)
         pos = torch.tensor([p for _, p, _ in rows], dtype=torch.long)

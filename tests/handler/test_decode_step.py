@@ -149,6 +149,18 @@ def test_engine_greedy_answers_do_not_change(dev_model, one_torch_thread):
     assert c_engine.stats().steps > before
 
 
+def test_rows_out_of_range_are_refused_before_c_reads_them(dev_model):
+    e, slots = _engine(dev_model)
+    rows, row_slots = _prefilled_rows(e, slots, [10, 20])
+    t, p, table = rows[0]
+    V, B = e.config.vocab_size, e.kv.k.shape[1]
+    for bad in [(V, p, table), (-1, p, table), (t, e.runner.cos.shape[0], table), (t, p, table[:0]),
+                (t, p, [B] + table[1:]), (t, 40, table)]:  # position 40 is past the row's 2 blocks
+        with pytest.raises(ValueError, match="out of range"):
+            e.decode_step([bad, rows[1]], row_slots)
+    assert e.decode_step(rows, row_slots).shape == (2, V)
+
+
 def test_where_it_does_not_apply(dev_model, monkeypatch):
     e = Engine(dev_model, device="cpu", dtype=torch.bfloat16, kv_cache_bytes=4 << 20, max_batch=4)
     assert e.decode_step is None
