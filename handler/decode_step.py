@@ -1,4 +1,4 @@
-"""`DecodeStep`: a whole CPU decode step of 1-8 rows in one call to handler/csrc/decode_step.c.
+"""`DecodeStep`: a whole CPU decode step of 1-64 rows in one call to handler/csrc/decode_step.c.
 
 Why: on SmolLM2-135M (30 layers) one decode row cost 59 ms on one thread, of which the products took
 36 ms; the rest was host work: ~9,000 torch ops per step (dispatch, views, small temporaries, the
@@ -26,7 +26,7 @@ import torch
 from handler import small_gemm
 from handler.lora import GROUPS
 
-MAX_ROWS = 8
+MAX_ROWS = 64  # must match decode_step.c
 _MAX_MODULES = 3  # must match decode_step.c
 _P = ctypes.c_void_p
 

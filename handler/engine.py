@@ -247,7 +247,7 @@ class Engine:
         prefix_cache: reuse the KV blocks of identical prompt prefixes (module docstring), keyed by
         `cache_key` (the base model's identity; default the model folder), the adapter id and the
         request's `cache_salt`.
-        decode_step: steps of 1-8 decode rows through the C decode step (`handler.decode_step`): None
+        decode_step: steps of 1-64 decode rows through the C decode step (`handler.decode_step`): None
         (default) where it applies and attention is "auto" without compile or batch_invariant, True
         required (ValueError where it cannot apply), False never.
         """

@@ -672,7 +672,7 @@ class Pieces:
     head: Any = _head
 
 
-# Eager steps multiply through `small_gemm.linear`: F.linear, except 1-8 float32 rows on the CPU (a
+# Eager steps multiply through `small_gemm.linear`: F.linear, except 1-64 float32 rows on the CPU (a
 # decode step of few requests), where our kernel reads each weight once for all rows instead of MKL
 # packing it per call. The compiled pieces keep F.linear (inductor sees through it).
 def _small_m(piece):

@@ -1,4 +1,4 @@
-/* A whole decode step of a Llama-family model on the CPU, for 1-8 rows: one call instead of ~9,000 torch
+/* A whole decode step of a Llama-family model on the CPU, for 1-64 rows: one call instead of ~9,000 torch
  * ops (about a third of a step at one row was host overhead: op dispatch, views, small temporaries).
  *
  * Per row b (token t_b at position p_b, context c_b = p_b + 1, block table T_b, adapter (pool, slot) or
@@ -29,6 +29,7 @@
 
 #define GROUPS 4 /* qkv, o, gate_up, down: handler/lora.py GROUPS, in that order */
 #define MAX_MODULES 3
+#define MAX_ROWS 64 /* handler/decode_step.py MAX_ROWS */
 
 typedef struct {
     long hidden, heads, kv_heads, head_dim, inter, vocab, layers, block_size;
@@ -117,6 +118,34 @@ static void lora(const Model *md, long layer, int g, const Group *G, long M, con
         if (pool[m] >= 0) lora_row(md, layer, g, G, pool[m], slot[m], x + m * G->k, y + m * ldy, h);
 }
 
+/* e^x, 8 lanes (Cephes' polynomial, as in avx_mathfun; within 2 ulp of expf over the clamped range) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* m[i] = silu(gate[i]) * up[i] */
+static void silu_mul(const float *gate, const float *up, float *m, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 sg = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(m + i, _mm256_mul_ps(sg, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) m[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 static void rope(float *v, const float *cos, const float *sin, long heads, long D) {
     long half = D / 2;
     for (long h = 0; h < heads; h++, v += D)
@@ -153,13 +182,13 @@ static void attend_row(const Model *md, const float *kc, const float *vc, const 
     }
 }
 
-/* One decode step of M rows (1-8). tables [M, nb]; lora_pool[m] < 0: no adapter. logits [M, vocab].
+/* One decode step of M rows (1-MAX_ROWS). tables [M, nb]; lora_pool[m] < 0: no adapter. logits [M, vocab].
  * threads: for products of at least par_min multiply-adds (the LM head always). Returns 0, or -1 for
  * bad arguments, -2 when out of memory. */
 int lf_decode_step(const Model *md, long M, const long *tokens, const long *positions, const long *cache_slots,
                    const long *tables, long nb, const long *lora_pool, const long *lora_slot, float *logits,
                    int threads, long par_min) {
-    if (M < 1 || M > 8) return -1;
+    if (M < 1 || M > MAX_ROWS) return -1;
     long E = md->hidden, H = md->heads, KVH = md->kv_heads, D = md->head_dim, I = md->inter;
     long qd = H * D, kvd = KVH * D, QKV = qd + 2 * kvd;
     Group G[GROUPS] = {
@@ -172,22 +201,27 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
     for (long p = 0; p < md->pools; p++) max_r = md->rank[p] > max_r ? md->rank[p] : max_r;
     long ctx_max = nb * md->block_size;
     long lh_stride = MAX_MODULES * max_r, nthreads = threads > 1 ? threads : 1;
-    size_t floats = (size_t)M * (3 * E + QKV + qd + 2 * I + I) + nthreads * lh_stride + ctx_max;
+    size_t floats = (size_t)M * (3 * E + QKV + qd + 2 * I + I) + nthreads * (lh_stride + ctx_max);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -2;
     float *x = buf, *h = x + M * E, *d = h + M * E, *qkv = d + M * E, *att = qkv + M * QKV;
     float *gu = att + M * qd, *mm = gu + M * 2 * I, *lh = mm + M * I, *sc = lh + nthreads * lh_stride;
     float *o = d; /* o and d are never live together */
+    /* the per-row work (norms, rope, attention, SiLU) split by rows: with the products' rule, from 16 rows
+       (or always under par_min 0); a row's bits do not depend on the split */
+    int rt = threads > 1 && M > 1 && (par_min == 0 || M >= 16) ? threads : 1;
 
     for (long m = 0; m < M; m++) memcpy(x + m * E, md->embed + tokens[m] * E, E * sizeof(float));
     for (long l = 0; l < md->layers; l++) {
         float *kc = md->k_cache + l * md->cache_layer_stride, *vc = md->v_cache + l * md->cache_layer_stride;
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
         for (long m = 0; m < M; m++) {
             if (l) for (long i = 0; i < E; i++) x[m * E + i] += d[m * E + i];
             rmsnorm(x + m * E, md->in_norm[l], h + m * E, E, md->eps);
         }
         linear(h, md->qkv[l], md->qkv_b[l], qkv, M, E, QKV, threads, par_min);
         lora(md, l, 0, &G[0], M, lora_pool, lora_slot, h, qkv, QKV, lh, lh_stride, threads, par_min);
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
         for (long m = 0; m < M; m++) {
             float *q = qkv + m * QKV, *k = q + qd, *v = k + kvd;
             const float *cs = md->cos + positions[m] * D, *sn = md->sin + positions[m] * D;
@@ -195,22 +229,19 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
             rope(k, cs, sn, KVH, D);
             memcpy(kc + cache_slots[m] * kvd, k, kvd * sizeof(float));
             memcpy(vc + cache_slots[m] * kvd, v, kvd * sizeof(float));
+            attend_row(md, kc, vc, q, tables + m * nb, positions[m] + 1, att + m * qd, sc + omp_get_thread_num() * ctx_max);
         }
-        for (long m = 0; m < M; m++)
-            attend_row(md, kc, vc, qkv + m * QKV, tables + m * nb, positions[m] + 1, att + m * qd, sc);
         linear(att, md->o[l], md->o_b[l], o, M, qd, E, threads, par_min);
         lora(md, l, 1, &G[1], M, lora_pool, lora_slot, att, o, E, lh, lh_stride, threads, par_min);
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
         for (long m = 0; m < M; m++) {
             for (long i = 0; i < E; i++) x[m * E + i] += o[m * E + i];
             rmsnorm(x + m * E, md->post_norm[l], h + m * E, E, md->eps);
         }
         linear(h, md->gate_up[l], md->gate_up_b[l], gu, M, E, 2 * I, threads, par_min);
         lora(md, l, 2, &G[2], M, lora_pool, lora_slot, h, gu, 2 * I, lh, lh_stride, threads, par_min);
-        for (long m = 0; m < M; m++)
-            for (long i = 0; i < I; i++) {
-                float g = gu[m * 2 * I + i];
-                mm[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
-            }
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
+        for (long m = 0; m < M; m++) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, mm + m * I, I);
         linear(mm, md->down[l], md->down_b[l], d, M, I, E, threads, par_min);
         lora(md, l, 3, &G[3], M, lora_pool, lora_slot, mm, d, E, lh, lh_stride, threads, par_min);
     }

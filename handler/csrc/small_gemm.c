@@ -1,9 +1,11 @@
-/* Small-M linear for the CPU decode step: y[m, j] = sum_k x[m, k] * w[j, k] for M <= 8 rows of x.
+/* Small-M linear for the CPU decode step: y[m, j] = sum_k x[m, k] * w[j, k] for the few rows of a decode
+ * step (up to 64).
  *
  * Why: a decode step multiplies a few rows (the running requests) by every weight matrix. MKL's sgemm
  * packs the weight for each call at small M, so 2-8 rows cost 2-4x one row, although the work is bound by
  * reading the weight once. Here every weight row is read once and dotted with all M rows of x (AVX2 FMA,
- * one accumulator chain per (x row, w row)), so M rows cost about one.
+ * one accumulator chain per (x row, w row)), so M rows cost about one. Past 8 rows the work is tiled (below),
+ * and still beat MKL up to 64 rows on 2 threads (SmolLM2's layer shapes: 103 vs 138 ms at 32 rows).
  *
  * Each y[m, j] is one chain over k in a fixed order then a fixed horizontal sum: it does not depend on
  * M, on which other rows share the call, on R-blocking or on the thread split (rows of w per thread).
@@ -65,16 +67,30 @@ KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 1) KERNEL(6, 1) KE
 typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
 static const rows_fn FNS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
+/* rows j0..j1 of y for any M: up to 8 rows in one pass; more in chunks of 4 rows (the fastest pass per
+ * multiply-add) over tiles of TILE weight rows, so a tile is read from memory once and from cache by
+ * every chunk after the first */
+#define TILE 64
+static void rows_any(const float *x, const float *w, float *y, long M, long K, long D, long j0, long j1) {
+    if (M <= 8) { FNS[M](x, w, y, K, D, j0, j1); return; }
+    for (long t = j0; t < j1; t += TILE) {
+        long t1 = t + TILE < j1 ? t + TILE : j1;
+        for (long m = 0; m < M; m += 4) {
+            long mm = M - m < 4 ? M - m : 4;
+            FNS[mm](x + m * K, w, y + m * D, K, D, t, t1);
+        }
+    }
+}
+
 int lf_small_m_linear(const float *x, const float *w, float *y, long M, long K, long D, int threads) {
-    if (M < 1 || M > 8) return -1;
-    rows_fn f = FNS[M];
-    if (threads <= 1 || D < 64) { f(x, w, y, K, D, 0, D); return 0; }
+    if (M < 1) return -1;
+    if (threads <= 1 || D < 64) { rows_any(x, w, y, M, K, D, 0, D); return 0; }
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         long per = ((D + n - 1) / n + 7) / 8 * 8;
         long a = t * per, b = a + per < D ? a + per : D;
-        if (a < b) f(x, w, y, K, D, a, b);
+        if (a < b) rows_any(x, w, y, M, K, D, a, b);
     }
     return 0;
 }

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from handler import decode_step, small_gemm
+from handler import engine as engine_module
 from handler.engine import Engine
 from handler.model import build_step_batch
 from handler.sampling import SamplingParams
@@ -110,14 +111,15 @@ def test_logits_and_kv_equal_the_torch_path(model, dev_model, tmp_path, one_torc
 def test_a_row_has_the_same_bits_alone_or_beside_others_on_any_thread_count(parallel_min, dev_model, monkeypatch):
     monkeypatch.setattr(small_gemm, "PARALLEL_MIN", parallel_min)  # 0: every product and LoRA row threaded
     e, slots = _engine(dev_model)
-    rows, row_slots = _prefilled_rows(e, slots, [3, 70, 20, 9, 33, 47, 16, 2], seed=1)
+    # more than 8 rows: the products run in chunks of rows over tiles of the weights
+    rows, row_slots = _prefilled_rows(e, slots, [3, 70, 20, 9, 33, 47, 16, 2, 5, 60, 31, 12, 8], seed=1)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.cat([e.decode_step([r], [s]) for r, s in zip(rows, row_slots)])
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for m in range(2, decode_step.MAX_ROWS + 1):
+            for m in range(2, len(rows) + 1):
                 assert torch.equal(e.decode_step(rows[:m], row_slots[:m]), alone[:m]), (threads, m)
             assert torch.equal(e.decode_step(rows[::-1], row_slots[::-1]), alone.flip(0))
     finally:
@@ -134,7 +136,7 @@ def _generate(e: Engine, adapters: list[str | None], max_tokens: int = 12) -> li
     return outs
 
 
-def test_engine_greedy_answers_do_not_change(dev_model, one_torch_thread):
+def test_engine_greedy_answers_do_not_change(dev_model, one_torch_thread, monkeypatch):
     adapters = [None, "a16", "b8", "c4", "a16", None]
     c_engine, _ = _engine(dev_model)
     torch_engine, _ = _engine(dev_model, decode_step=False)
@@ -143,10 +145,11 @@ def test_engine_greedy_answers_do_not_change(dev_model, one_torch_thread):
     assert got == want
     assert c_engine.stats().decode_step_c > 0 and torch_engine.stats().decode_step_c == 0
     # more rows than the C step takes: the torch path runs those steps, answers unchanged
+    monkeypatch.setattr(engine_module, "DECODE_STEP_ROWS", 4)
     many = ["a16", "b8", None, "c4"] * 3
-    before = c_engine.stats().steps
+    before = c_engine.stats().decode_step_c
     assert _generate(c_engine, many, 4) == _generate(torch_engine, many, 4)
-    assert c_engine.stats().steps > before
+    assert c_engine.stats().decode_step_c == before  # 12 rows until the end: every step on the torch path
 
 
 def test_rows_out_of_range_are_refused_before_c_reads_them(dev_model):
