@@ -6,7 +6,7 @@ gather of each row's cache blocks). The C step runs the same math (the file's do
 products through the small-M kernel, attention read in place from the paged cache, and each row's
 adapter delta from the LoRA slot stacks, allocating nothing in Python.
 
-Where it applies (`DecodeStep.create` returns None otherwise, and the engine keeps the torch path):
+Where it applies (`why_not` says why not otherwise, and the engine keeps the torch path):
 float32 weights on the CPU, the kernels built (handler/small_gemm.py), SiLU MLPs, no sliding window,
 LoRA stacks in float32; steps whose rows are all decode rows, at most MAX_ROWS of them.
 LORAFARM_DECODE_STEP=0 turns it off.
@@ -118,10 +118,6 @@ class DecodeStep:
         self._fn = fn
         self.steps = 0  # steps it ran (engine metrics, tests)
 
-    @classmethod
-    def create(cls, runner, kv, lora=None) -> "DecodeStep | None":
-        return None if why_not(runner, kv, lora) else cls(runner, kv, lora)
-
     def __call__(self, rows: list[tuple[int, int, list[int]]], slots: list[int]) -> torch.Tensor:
         """Logits [M, vocab] of decode rows [(token, position, block table)], each on global LoRA slot
         `slots[i]` (0: none); writes each row's K/V at its position."""
@@ -143,7 +139,7 @@ class DecodeStep:
         where = [self.lora.pool_of(s) if s else (-1, 0) for s in slots] if self.lora is not None else [(-1, 0)] * M
         pool = torch.tensor([p for p, _ in where], dtype=torch.long)
         local = torch.tensor([s for _, s in where], dtype=torch.long)
-        logits = torch.empty((M, self.runner.config.vocab_size), dtype=torch.float32)
+        logits = torch.empty((M, V), dtype=torch.float32)
         rc = self._fn(ctypes.byref(self._model), M, tok.data_ptr(), pos.data_ptr(), cache.data_ptr(), tables.data_ptr(),
                       nb, pool.data_ptr(), local.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
                       small_gemm.PARALLEL_MIN)

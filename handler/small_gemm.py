@@ -1,10 +1,10 @@
 """`linear(x, w, b)`: F.linear, through our small-M kernel (handler/csrc/small_gemm.c) when a CPU
 decode step multiplies 1-64 float32 rows by a weight.
 
-Measured on the 2-core EPYC box (SmolLM2-135M shapes, one thread, `make bench -k small_gemm`): MKL's
-sgemm costs 2-4x more for 2-8 rows than for one, although the work is bound by reading the weight
-once; the kernel reads each weight row once for all rows. Above 8 rows (prefill, big batches) MKL's
-blocked GEMM is the right tool and is used as before.
+Measured on the 2-core EPYC box (SmolLM2-135M shapes, `make bench -k small_gemm`): MKL's sgemm costs
+2-4x more for 2-8 rows than for one, although the work is bound by reading the weight once; the kernel
+reads each weight row once for all rows (past 8 rows, once per tile for every chunk of rows), and beat
+MKL up to 64 rows on 2 threads. Above MAX_ROWS (prefill) MKL's blocked GEMM is used as before.
 
 The kernel is compiled at first use with the system C compiler into a cache folder keyed by the
 source and flags ($LORAFARM_KERNEL_DIR, else ~/.cache/lorafarm/kernels), written atomically, and

@@ -107,15 +107,11 @@ static void lora(const Model *md, long layer, int g, const Group *G, long M, con
             rows++;
             macs += md->rank[pool[m]] * (G->n * G->k + G->off[G->n - 1] + G->d[G->n - 1]);
         }
-    if (threads > 1 && rows > 1 && macs >= par_min) {
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (long m = 0; m < M; m++)
-            if (pool[m] >= 0)
-                lora_row(md, layer, g, G, pool[m], slot[m], x + m * G->k, y + m * ldy, h + omp_get_thread_num() * h_stride);
-        return;
-    }
+    int par = threads > 1 && rows > 1 && macs >= par_min;
+    #pragma omp parallel for num_threads(threads) if (par) schedule(static)
     for (long m = 0; m < M; m++)
-        if (pool[m] >= 0) lora_row(md, layer, g, G, pool[m], slot[m], x + m * G->k, y + m * ldy, h);
+        if (pool[m] >= 0)
+            lora_row(md, layer, g, G, pool[m], slot[m], x + m * G->k, y + m * ldy, h + omp_get_thread_num() * h_stride);
 }
 
 /* e^x, 8 lanes (Cephes' polynomial, as in avx_mathfun; within 2 ulp of expf over the clamped range) */

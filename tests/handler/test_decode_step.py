@@ -13,24 +13,12 @@ import torch
 from handler import decode_step, small_gemm
 from handler import engine as engine_module
 from handler.engine import Engine
+from handler.lora import LORA_MODULES
 from handler.model import build_step_batch
 from handler.sampling import SamplingParams
+from tests.handler.test_batch_invariant import _random_adapter
 
 pytestmark = pytest.mark.skipif(not small_gemm.available(), reason="CPU kernels not built here (no cc or AVX2)")
-
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _adapter(cfg, rank: int, modules, g: torch.Generator) -> dict[str, torch.Tensor]:
-    w = {}
-    for li in range(cfg.num_layers):
-        for m in modules:
-            d, k = cfg.module_shape(m)
-            pre = f"base_model.model.model.layers.{li}.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}"
-            w[pre + ".lora_A.weight"] = torch.randn(rank, k, generator=g) * 0.1
-            w[pre + ".lora_B.weight"] = torch.randn(d, rank, generator=g) * 0.1
-    return w
-
 
 def _engine(model_dir, **kw) -> tuple[Engine, list[int]]:
     """An engine with adapters in two rank pools (one rank 16 on every module, one rank 8 and one
@@ -39,11 +27,11 @@ def _engine(model_dir, **kw) -> tuple[Engine, list[int]]:
                rank_pools={16: 3, 8: 3}, **kw)
     g = torch.Generator().manual_seed(0)
     cfg = e.config
-    e.mount_adapter("pad", _adapter(cfg, 8, ALL, g), rank=8, alpha=8)  # takes the first slot of its pool
+    e.mount_adapter("pad", _random_adapter(cfg, 8, LORA_MODULES, g), rank=8, alpha=8)  # takes the first slot of its pool
     slots = [0,
-             e.mount_adapter("a16", _adapter(cfg, 16, ALL, g), rank=16, alpha=32),
-             e.mount_adapter("b8", _adapter(cfg, 8, ("q_proj", "v_proj", "down_proj"), g), rank=8, alpha=16),
-             e.mount_adapter("c4", _adapter(cfg, 4, ("o_proj", "gate_proj"), g), rank=4, alpha=4)]
+             e.mount_adapter("a16", _random_adapter(cfg, 16, LORA_MODULES, g), rank=16, alpha=32),
+             e.mount_adapter("b8", _random_adapter(cfg, 8, ("q_proj", "v_proj", "down_proj"), g), rank=8, alpha=16),
+             e.mount_adapter("c4", _random_adapter(cfg, 4, ("o_proj", "gate_proj"), g), rank=4, alpha=4)]
     return e, slots
 
 
