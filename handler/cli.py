@@ -140,6 +140,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens prefilled per engine step, over all requests (a longer prompt is split across "
+                        "steps; more: a burst's first tokens sooner, running streams wait longer; default: Limits')")
     p.add_argument("--attention", default="auto", choices=["auto", "paged", "gather"],
                    help="decode attention: paged (read in place on the KV cache, a compiled kernel), gather "
                         "(blocks copied out, then SDPA), or auto (a fixed rule of device and shapes, paged only where "
@@ -234,10 +237,13 @@ def build_config(args: argparse.Namespace):
         slots = max(rank_pools.values()) if rank_pools else 8
     if args.grammar_workers < 1 or args.grammar_timeout_s <= 0 or args.grammar_memory_bytes < 64 * 1024**2:
         raise CliError("--grammar-workers must be >= 1, --grammar-timeout-s > 0, --grammar-memory-bytes >= 64MiB")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
+        raise CliError(f"--max-prefill-tokens {args.max_prefill_tokens}: must be >= 1")
     limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, rank_limit=args.rank_limit,
                     max_batch=args.max_batch, grammar_workers=args.grammar_workers,
                     grammar_timeout_s=args.grammar_timeout_s, grammar_memory_bytes=args.grammar_memory_bytes,
-                    grammar_cache_bytes=args.grammar_cache_bytes)
+                    grammar_cache_bytes=args.grammar_cache_bytes,
+                    **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
     return ReplicaConfig(
         base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host, port=args.port,
         advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,

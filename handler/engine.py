@@ -1,7 +1,7 @@
 """The replica engine: continuous batching over one base model with many LoRA adapters.
 
     engine = Engine(model_dir, device=None, dtype=torch.float32, kv_cache_bytes=..., max_batch=32,
-                    rank_pools={8: 8, 16: 8, 32: 8, 64: 4}, max_prefill_tokens=512)
+                    rank_pools={8: 8, 16: 8, 32: 8, 64: 4}, max_prefill_tokens=2048)
     engine.mount_adapter("ad-...", weights, rank=16, alpha=32, target_modules=[...])
     engine.add_request("req-1", prompt_ids, SamplingParams(max_tokens=64), "ad-...", on_event)
     engine.start()            # or call engine.step() yourself
@@ -158,6 +158,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (not prefilled)
     prefix_cache_blocks: int = 0  # blocks holding a cached prefix block now (in use or not)
     prefix_cache_evictions: int = 0
+    prefix_cache_deferred: int = 0  # admissions put off until a prefix block another request computes is cached
 
 
 @dataclass
@@ -211,7 +212,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         max_batch: int = 32,
         rank_pools: Mapping[int, int] | None = None,
-        max_prefill_tokens: int = 512,
+        max_prefill_tokens: int = 2048,
         *,
         max_context: int | None = None,
         block_size: int = 16,
@@ -361,6 +362,7 @@ class Engine:
         self._preemptions = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._deferred = 0  # admissions put off a step for a prefix block another request was computing
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -605,6 +607,7 @@ class Engine:
                 prefix_cache_hits=self._prefix_hits,
                 prefix_cache_blocks=self.kv.pool.cached,
                 prefix_cache_evictions=self.kv.pool.evictions,
+                prefix_cache_deferred=self._deferred,
             )
 
     @property
@@ -761,6 +764,7 @@ class Engine:
 
     def _admit(self) -> None:
         bs = self.kv.block_size
+        pending: set[bytes] | None = None  # blocks being prefilled now, not yet published
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
             req = self._waiting[0]
             need = len(req.ctx) + (req.params.max_tokens - len(req.out) if self.kv_reserve == "max_tokens" else 0)
@@ -772,8 +776,17 @@ class Engine:
                 # full blocks only, and never the whole context: its last token is prefilled here,
                 # for the logits of the next token and so that no shared block is ever written
                 # (batch-invariant: whole prefill chunks only, so the rest is cut as without a hit)
-                hit = self.kv.match(req.hashes[: (len(req.ctx) - 1) // bs],
-                                    self._invariant_hit_unit if self.batch_invariant else 1)
+                usable = req.hashes[: (len(req.ctx) - 1) // bs]
+                hit = self.kv.match(usable, self._invariant_hit_unit if self.batch_invariant else 1)
+                if pending is None:
+                    pending = {h for r in self._prefilling if r.hashes for h in r.hashes[r.published :]}
+                if len(hit) < len(usable) and usable[len(hit)] in pending:
+                    # its next block is being computed by a request admitted before it (a burst on one
+                    # system prompt): wait for that block's publication, a step or so, rather than
+                    # compute it again; first come, first served, so the queue behind it waits too
+                    self.kv.free(hit)
+                    self._deferred += 1
+                    break
             blocks = self.kv.allocate(need, have=len(hit))
             if blocks is None:
                 self.kv.free(hit)
@@ -788,6 +801,8 @@ class Engine:
                     self._prefix_queries += len(req.prompt)
                     self._prefix_hits += req.cached
             self._prefilling.append(req)
+            if pending is not None and req.hashes:
+                pending.update(req.hashes[req.published :])
 
     def _publish(self, r: _Request) -> None:
         """Name the full blocks this request's prefill has now written (prefix cache)."""

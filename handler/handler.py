@@ -48,7 +48,7 @@ class Limits:
     default_max_tokens: int = 512  # chat default when the client sends no max_tokens
     rank_limit: int = 64  # the fleet's rank limit: larger adapters are refused at load
     max_batch: int = 32
-    max_prefill_tokens: int = 512
+    max_prefill_tokens: int = 2048  # vLLM's CPU API-server default (max_num_batched_tokens): a burst prefills in one step
     cancel_grace_s: float = 5.0  # after a cancel, how long to wait for the engine to let go
     load_timeout_s: float = 30.0  # the load endpoint answers 202 (still loading) after this
     # untrusted grammar work (handler.grammar_pool): worker processes, per-compile limits, cache

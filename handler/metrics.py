@@ -118,7 +118,9 @@ class PrefixCacheCollector:
                 ("lorafarm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.prefix_cache_queries),
                 ("lorafarm_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
                  st.prefix_cache_hits),
-                ("lorafarm_prefix_cache_evictions", "Cached KV blocks evicted for space.", st.prefix_cache_evictions)):
+                ("lorafarm_prefix_cache_evictions", "Cached KV blocks evicted for space.", st.prefix_cache_evictions),
+                ("lorafarm_prefix_cache_deferred", "Admissions put off a step until a prefix block another request "
+                 "was computing is cached.", st.prefix_cache_deferred)):
             m = CounterMetricFamily(name, help_)
             m.add_metric([], value)
             yield m

@@ -408,10 +408,12 @@ class AttnGroup:
                   keys and values are the step's own (no cache read) and the mask is causal
                   (`masks[w]` None: is_causal, else the windowed causal mask [L, L]);
     kind "cache": the queries read the paged cache through `block_tables` [B, nb]: one prefill
-                  continuation (tokens [start, end), mask [1, 1, L, nb*bs]), or a bucket of decode
-                  rows (`index` [B]: their token indices; mask [B, 1, 1, nb*bs]). Decode rows are
-                  bucketed by context length (within a bucket the longest is < 2x the shortest
-                  + one block), so one long row pads only its own bucket, not every row;
+                  continuation (tokens [start, end), mask [1, 1, L, nb*bs]), a bucket of them
+                  (`index` [B*L]: each chunk's token indices, padded to the longest chunk by
+                  repeating its last; mask [B, 1, L, nb*bs]), or a bucket of decode rows (`index`
+                  [B]: their token indices; mask [B, 1, 1, nb*bs]). Rows are bucketed by context
+                  length (within a bucket the longest is < 2x the shortest + one block), so one
+                  long row pads only its own bucket, not every row;
     kind "paged": every decode row of the step (tokens [start, end)), attended in place on the
                   cache by `handler.paged_attention` (no gather, no padding; `paged` holds the
                   block tables).
@@ -524,6 +526,7 @@ def build_step_batch(
 
     groups: list[AttnGroup] = []
     i = 0
+    cont: list[int] = []  # prefill continuations (chunks after a cached prefix or an earlier chunk)
     while i < decode_from:  # prefill chunks: runs of equal-length fresh chunks share one call
         ids, start, _ = seqs[i]
         q = len(ids)
@@ -536,12 +539,31 @@ def build_step_batch(
             groups.append(AttnGroup("self", first[i], first[i] + (j - i) * q, j - i, q, None, None, masks))
             i = j
             continue
-        ctx = start + q
-        nb = -(-ctx // block_size)
-        qpos = torch.arange(start, ctx)
-        masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(1, 1, q, -1), device) for w in windows}
-        groups.append(AttnGroup("cache", first[i], first[i] + q, 1, q, None, tables([i], nb), masks))
+        cont.append(i)
         i += 1
+    # continuations bucketed by context length like decode rows, one call per bucket: a burst of prompts
+    # on one cached system prompt is 30 continuations, and a call each per layer cost more host time than
+    # their products (31 x 36-token prompts: 930 attention calls)
+    for bucket in [[b] for b in range(len(cont))] if per_row else _decode_buckets(
+            [seqs[i][1] + len(seqs[i][0]) for i in cont], block_size):
+        rows = [cont[b] for b in bucket]
+        ctxs = [seqs[r][1] + len(seqs[r][0]) for r in rows]
+        nb = -(-max(ctxs) // block_size)
+        if len(rows) == 1:
+            r, q = rows[0], len(seqs[rows[0]][0])
+            qpos = torch.arange(seqs[r][1], ctxs[0])
+            masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(1, 1, q, -1), device) for w in windows}
+            groups.append(AttnGroup("cache", first[r], first[r] + q, 1, q, None, tables([r], nb), masks))
+            continue
+        # queries padded to the longest chunk by repeating each row's last query (same query, same mask:
+        # the same result, written twice to the same token)
+        L = max(len(seqs[r][0]) for r in rows)
+        qpos = torch.tensor([[min(seqs[r][1] + j, c - 1) for j in range(L)] for r, c in zip(rows, ctxs)])
+        index = [first[r] + min(j, len(seqs[r][0]) - 1) for r in rows for j in range(L)]
+        masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(len(rows), 1, L, -1), device)
+                 for w in windows}
+        groups.append(AttnGroup("cache", -1, -1, len(rows), L, to_device(torch.tensor(index, dtype=torch.long), device),
+                                tables(rows, nb), masks))
     dec = list(range(decode_from, n))
     ctx = [seqs[i][1] + 1 for i in dec]
     if dec and decode_tables is not None:  # decode rows are the step's last tokens, one each

@@ -210,14 +210,14 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
     for (long m = 0; m < M; m++) memcpy(x + m * E, md->embed + tokens[m] * E, E * sizeof(float));
     for (long l = 0; l < md->layers; l++) {
         float *kc = md->k_cache + l * md->cache_layer_stride, *vc = md->v_cache + l * md->cache_layer_stride;
-        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
         for (long m = 0; m < M; m++) {
             if (l) for (long i = 0; i < E; i++) x[m * E + i] += d[m * E + i];
             rmsnorm(x + m * E, md->in_norm[l], h + m * E, E, md->eps);
         }
         linear(h, md->qkv[l], md->qkv_b[l], qkv, M, E, QKV, threads, par_min);
         lora(md, l, 0, &G[0], M, lora_pool, lora_slot, h, qkv, QKV, lh, lh_stride, threads, par_min);
-        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
         for (long m = 0; m < M; m++) {
             float *q = qkv + m * QKV, *k = q + qd, *v = k + kvd;
             const float *cs = md->cos + positions[m] * D, *sn = md->sin + positions[m] * D;
@@ -229,14 +229,14 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
         }
         linear(att, md->o[l], md->o_b[l], o, M, qd, E, threads, par_min);
         lora(md, l, 1, &G[1], M, lora_pool, lora_slot, att, o, E, lh, lh_stride, threads, par_min);
-        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
         for (long m = 0; m < M; m++) {
             for (long i = 0; i < E; i++) x[m * E + i] += o[m * E + i];
             rmsnorm(x + m * E, md->post_norm[l], h + m * E, E, md->eps);
         }
         linear(h, md->gate_up[l], md->gate_up_b[l], gu, M, E, 2 * I, threads, par_min);
         lora(md, l, 2, &G[2], M, lora_pool, lora_slot, h, gu, 2 * I, lh, lh_stride, threads, par_min);
-        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(static)
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
         for (long m = 0; m < M; m++) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, mm + m * I, I);
         linear(mm, md->down[l], md->down_b[l], d, M, I, E, threads, par_min);
         lora(md, l, 3, &G[3], M, lora_pool, lora_slot, mm, d, E, lh, lh_stride, threads, par_min);

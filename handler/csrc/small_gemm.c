@@ -82,15 +82,19 @@ static void rows_any(const float *x, const float *w, float *y, long M, long K, l
     }
 }
 
+/* Threads take CHUNK weight rows at a time from a shared counter (dynamic), not a fixed half each: the
+ * replica's event loop, the router and the client share these cores, and a thread they preempt would
+ * otherwise hold the other at the region's end for the rest of its half (W4 in serving: 44.6 ms per
+ * step against 33 alone) */
+#define CHUNK 32
 int lf_small_m_linear(const float *x, const float *w, float *y, long M, long K, long D, int threads) {
     if (M < 1) return -1;
-    if (threads <= 1 || D < 64) { rows_any(x, w, y, M, K, D, 0, D); return 0; }
-    #pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        long per = ((D + n - 1) / n + 7) / 8 * 8;
-        long a = t * per, b = a + per < D ? a + per : D;
-        if (a < b) rows_any(x, w, y, M, K, D, a, b);
+    if (threads <= 1 || D < 2 * CHUNK) { rows_any(x, w, y, M, K, D, 0, D); return 0; }
+    long chunks = (D + CHUNK - 1) / CHUNK;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long c = 0; c < chunks; c++) {
+        long a = c * CHUNK, b = a + CHUNK < D ? a + CHUNK : D;
+        rows_any(x, w, y, M, K, D, a, b);
     }
     return 0;
 }

@@ -140,6 +140,47 @@ def jobs_of(prompts):
     return [(f"{i}-{ad}", p, ad) for i, p in enumerate(prompts) for ad in JOBS_ADAPTERS]
 
 
+def test_a_burst_on_one_system_prompt_computes_it_once(dev_model, few_canaries, shared_prompts):
+    """Requests that arrive together on a cold cache: the first computes the shared blocks, the ones
+    behind it wait for their publication (a step) and take them, instead of each computing them in
+    the same step; their continuations are then attended in bucketed calls. Same tokens as no cache."""
+    jobs = [(f"{i}", p, None) for i, p in enumerate(shared_prompts)]
+    ref = run(build(dev_model, few_canaries, False), jobs, together=True)
+    e = build(dev_model, few_canaries, True)
+    got = run(e, jobs, together=True, check=True)
+    for rid, _, _ in jobs:
+        assert got.tokens(rid) == ref.tokens(rid), rid
+        lp = [ev.logprobs[0] for ev in got.events[rid] if ev.logprobs]
+        lp_ref = [ev.logprobs[0] for ev in ref.events[rid] if ev.logprobs]
+        assert torch.allclose(torch.tensor(lp), torch.tensor(lp_ref), atol=1e-4)
+    assert got.final("0").cached_tokens == 0
+    assert min(got.final(rid).cached_tokens for rid, _, _ in jobs[1:]) >= 128  # the system prompt's blocks
+    st = e.stats()
+    assert st.prefix_cache_deferred >= 1
+    assert st.prefix_cache_hits == sum(got.final(rid).cached_tokens for rid, _, _ in jobs)
+
+
+def test_continuations_of_unequal_length_share_one_attention_call():
+    """Prefill chunks after cached prefixes, of different lengths, form one padded "cache" group
+    (each chunk's tokens once, its last repeated to the longest); a lone one keeps its range."""
+    from handler.model import build_step_batch
+
+    seqs = [([1, 2, 3], 16, [0, 1]), ([4, 5, 6, 7, 8], 16, [0, 2]), ([9], 33, [0, 3, 4]), ([10], 5, [6])]
+    b = build_step_batch(seqs, 16, torch.device("cpu"), {None}, decode_from=3)
+    cont = [g for g in b.groups if g.kind == "cache" and g.max_q > 1]
+    assert len(cont) == 1
+    g = cont[0]
+    assert (g.num_seqs, g.max_q) == (3, 5)
+    assert g.index.tolist() == [0, 1, 2, 2, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8, 8]
+    mask = g.masks[None]
+    assert mask.shape == (3, 1, 5, 48)
+    assert mask[0, 0, 0].nonzero().flatten().tolist() == list(range(17))  # position 16 sees 0..16
+    assert torch.equal(mask[0, 0, 4], mask[0, 0, 2])  # the padding repeats the last query's row
+    assert g.block_tables.tolist() == [[0, 1, 0], [0, 2, 0], [0, 3, 4]]
+    alone = build_step_batch(seqs[:1] + seqs[3:], 16, torch.device("cpu"), {None}, decode_from=1)
+    assert [(g.kind, g.start, g.end, g.index) for g in alone.groups][0] == ("cache", 0, 3, None)
+
+
 @pytest.mark.parametrize("attention", ["gather", "paged"])
 def test_cache_hits_give_the_tokens_and_logprobs_of_no_cache(dev_model, few_canaries, shared_prompts, attention,
                                                              request):

@@ -149,7 +149,8 @@ def test_hit_rate_from_the_replicas_real_prefix_cache_exposition(tmp_path):
     from handler.metrics import ReplicaMetrics
 
     m = ReplicaMetrics("r0")
-    st = SimpleNamespace(prefix_cache_queries=100, prefix_cache_hits=10, prefix_cache_evictions=0, prefix_cache_blocks=1)
+    st = SimpleNamespace(prefix_cache_queries=100, prefix_cache_hits=10, prefix_cache_evictions=0, prefix_cache_blocks=1,
+                         prefix_cache_deferred=0)
     m.watch_prefix_cache(SimpleNamespace(engine=SimpleNamespace(stats=lambda: st)))
     (tmp_path / "replica0-start.prom").write_text("# lorafarm-scrape-time 100\n" + m.render().decode())
     st.prefix_cache_queries, st.prefix_cache_hits = 500, 310
