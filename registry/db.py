@@ -10,6 +10,7 @@ on SQLite (one writer at a time anyway) it is an asyncio lock, plus SQLite's bus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -74,6 +75,7 @@ class Database:
         self.dialect = engine.dialect.name
         self.sessions = async_sessionmaker(engine, expire_on_commit=False, class_=AsyncSession)
         self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()  # set (then replaced) when a write here grew the version
 
     @classmethod
     async def open(cls, url: str, *, run_migrations: bool = True) -> Database:
@@ -107,11 +109,21 @@ class Database:
                     await session.execute(select(RegistryState.id).where(RegistryState.id == 1).with_for_update())
                     yield session
                 flush_log(session)
+        if session.info.pop("bumped", False):  # committed: wake the held routing polls
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     @staticmethod
     async def bump(session: AsyncSession) -> None:
         """Grow the routing-table version (inside a `write()` transaction)."""
         await session.execute(update(RegistryState).where(RegistryState.id == 1).values(version=RegistryState.version + 1))
+        session.info["bumped"] = True
+
+    async def changed(self, timeout: float) -> None:
+        """Return when a write through this process grows the version, or after `timeout` s (a write
+        by another registry process on the same database is seen by re-reading the version then)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def version(self) -> int:
         async with self.read() as session:
