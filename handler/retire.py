@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 log = logging.getLogger("lorafarm.replica.retire")
 
@@ -49,10 +50,14 @@ def to_retire(previous: dict | None, table: dict) -> tuple[set[str], set[str]]:
 
 
 class Retirer:
-    """Polls the routing table (ETag: a 304 costs nothing) and unloads retired versions."""
+    """Long-polls the routing table (ETag: the registry holds a 304 until the table changes) and
+    unloads retired versions."""
 
-    def __init__(self, registry, cache, interval_s: float = 2.0):
+    def __init__(self, registry, cache, interval_s: float = 2.0, long_poll_s: float = 20.0):
         self.registry, self.cache, self.interval_s = registry, cache, interval_s
+        # a poll a second was a request on the serving loop and a database read in the registry every
+        # second of an idle farm; held, it is one per change (or per long_poll_s), seen at once
+        self.long_poll_s = long_poll_s
         self.previous: dict | None = None
         self.etag: str | None = None
         self.running: dict[str, asyncio.Task] = {}
@@ -64,8 +69,9 @@ class Retirer:
         """A deploy retired it and no alias points to it again: owners must not pull it back."""
         return adapter_id in self.unaliased
 
-    async def step(self) -> None:
-        table, self.etag = await self.registry.routing_table(self.etag)
+    async def step(self, wait: float = 0.0) -> None:
+        table, self.etag = await (self.registry.routing_table(self.etag, wait=wait) if wait > 0
+                                  else self.registry.routing_table(self.etag))
         if table is not None:
             unload, purge = to_retire(self.previous, table)
             self.unaliased = (self.unaliased | unload | purge) - pointed(table)
@@ -93,14 +99,21 @@ class Retirer:
             self.running.pop(aid, None)
 
     async def run(self) -> None:
+        failed = True  # the first read is plain: the table at once, then held polls
         while True:
+            started = time.monotonic()
             try:
-                await self.step()
+                await self.step(wait=0.0 if failed else self.long_poll_s)
+                failed = False
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the registry loop logs registry trouble; this one stays quiet
                 log.debug("routing table not read: %s", e)
-            await asyncio.sleep(self.interval_s)
+                failed = True
+            # held polls go again at once (a change was just seen), but not more than about once a
+            # second while the table keeps changing; a failed one waits the plain interval
+            gap = self.interval_s if failed or self.long_poll_s <= 0 else 1.0
+            await asyncio.sleep(max(0.0, gap - (time.monotonic() - started)))
 
     async def stop(self) -> None:
         for t in list(self.running.values()):
