@@ -30,7 +30,11 @@ Prefix cache (`prefix_cache=True`; `handler.prefix_cache`): at admission a reque
 longest run of cached full blocks whose chain hash (base, adapter id, the request's `cache_salt`,
 and every token up to the block's end) equals its own, and prefills from there; the full blocks it
 writes are published when its prefill step ends, and outlive it in an LRU until their space is
-needed. `cached_tokens` on its events says how many prompt tokens it did not compute.
+needed. `cached_tokens` on its events says how many prompt tokens it did not compute. A request
+whose next block is one an earlier admitted request is still computing (a burst on one system
+prompt) is not admitted until that block is published, a step later, instead of computing it in the
+same step (`prefix_cache_deferred`); the continuations that follow are attended in context-length
+buckets, one call each, not one call per request.
 
 Thread safety: `add_request`, `cancel`, `mount_adapter`, `unmount_adapter`, `stats` and the
 lookups may be called from any thread while another thread runs `step()` (or after `start()`).

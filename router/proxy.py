@@ -105,10 +105,18 @@ class ClosedSafeBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
+# An idle upstream connection is dropped here after this long, well before a replica's keep-alive
+# timeout (5 s, lorafarm.serving.ClientLimits) closes it: with both at 5 s the router could send a
+# request on a connection the replica was closing, fail it before the first byte, and with one replica
+# answer 503 (seen once in a bench-peers run, on a request sent as the farm was resumed from a pause).
+UPSTREAM_KEEPALIVE_S = 2.0
+
+
 def make_http_client(max_connections: int, timeout: httpx.Timeout) -> httpx.AsyncClient:
     """The router's upstream client: a pool whose connections survive a peer reset (see
-    `_ClosedSafeStream`)."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    `_ClosedSafeStream`) and are never reused once a replica may be closing them (UPSTREAM_KEEPALIVE_S)."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                          keepalive_expiry=UPSTREAM_KEEPALIVE_S)
     transport = httpx.AsyncHTTPTransport(limits=limits)
     pool = getattr(transport, "_pool", None)
     if pool is not None and hasattr(pool, "_network_backend"):

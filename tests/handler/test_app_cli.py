@@ -37,8 +37,10 @@ def test_flags_build_the_config(dev_model, service_archives, tmp_path, monkeypat
         "replica", "--id", "r7", "--base", str(dev_model), "--port", "8207", "--store-url",
         service_archives.store_url, "--trust", str(service_archives.public_key), "--adapter-catalog",
         str(service_archives.catalog), "--slots", "3", "--ram-bytes", "1GiB", "--disk-bytes", "2GiB",
-        "--disk-dir", str(tmp_path), "--kv-cache-bytes", "64MiB", "--rank-limit", "32", "--max-waiting", "9"])
+        "--disk-dir", str(tmp_path), "--kv-cache-bytes", "64MiB", "--rank-limit", "32", "--max-waiting", "9",
+        "--max-prefill-tokens", "1024"])
     cfg = build_config(args)
+    assert cfg.limits.max_prefill_tokens == 1024
     assert cfg.replica_id == "r7" and cfg.port == 8207 and cfg.admin_token == "tok"
     assert cfg.resolved_model_name() == dev_model.name and cfg.registry_url is None
     assert cfg.slots == 3 and cfg.ram_bytes == 1024**3 and cfg.disk_bytes == 2 * 1024**3
@@ -53,6 +55,7 @@ def test_flags_build_the_config(dev_model, service_archives, tmp_path, monkeypat
     fails("--registry", "http://127.0.0.1:1")  # no trusted key
     fails("--adapter-catalog", str(service_archives.catalog), "--trust", str(service_archives.public_key))
     fails("--trust", str(tmp_path / "missing.pem"))
+    fails("--max-prefill-tokens", "0")
     with pytest.raises(CliError):
         build_config(build_parser().parse_args(["replica", "--base", str(tmp_path)]))
 

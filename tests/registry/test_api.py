@@ -146,6 +146,27 @@ async def test_routing_etag(client, canaries, base_hash):
     assert (await client.get("/internal/routing", headers={"If-None-Match": '"v0", ' + etag})).status_code == 304
 
 
+async def test_a_held_routing_poll_wakes_on_a_version_write(database_url):
+    """`Database.changed`, what a held routing poll waits on: it returns when a write through this
+    registry grows the version (bounded here by 30 s against its 60 s timeout, so only the wake can
+    answer in time), and a write that does not grow it wakes nothing."""
+    from registry.db import Database
+
+    db = await Database.open(database_url)
+    try:
+        held = asyncio.create_task(db.changed(60))
+        event = db._changed  # noqa: SLF001 - what the held poll waits on
+        async with db.write():
+            pass  # no bump: nothing to tell
+        assert db._changed is event and not event.is_set()  # noqa: SLF001
+        async with db.write() as session:
+            await db.bump(session)
+        assert event.is_set()
+        await asyncio.wait_for(held, 30)
+    finally:
+        await db.close()
+
+
 async def test_replicas_down_after_timeout_and_back(make_settings, base_hash):
     async with app_client(make_settings(replica_timeout_s=0.6, sweep_interval_s=0.2)) as c:
         rid = unique("rep")

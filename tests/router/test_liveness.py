@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.router.conftest import router_farm, wait_for
-from router.proxy import make_http_client
+from router.proxy import UPSTREAM_KEEPALIVE_S, make_http_client
 from tests.router.doubles import DyingReplica, ResettingServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -280,3 +280,14 @@ def test_poison_guard_counts_deaths_per_fingerprint_and_forgets_after_the_coolof
     for i in range(5):  # bounded: the oldest fingerprints go first
         g.record_death(f"fp{i}")
     assert len(g) == 3 and g.deaths("fp0") == 0 and g.deaths("fp4") == 1
+
+
+async def test_upstream_connections_expire_before_a_replica_closes_them():
+    """The router never reuses an idle upstream connection a replica may be closing: its pool drops
+    one before the replica's keep-alive timeout would (a request on a closing connection fails before
+    its first byte, a 503 where the replica is the only one)."""
+    from lorafarm.serving import ClientLimits
+
+    async with make_http_client(8, httpx.Timeout(5.0)) as client:
+        pool = client._transport._pool  # noqa: SLF001 - the setting under test
+        assert pool._keepalive_expiry == UPSTREAM_KEEPALIVE_S < ClientLimits().keep_alive_timeout  # noqa: SLF001
