@@ -452,6 +452,11 @@ def _window_mask(qpos: torch.Tensor, klen: int, w: int | None) -> torch.Tensor:
     return m
 
 
+def _buckets(lengths: list[int], block_size: int, per_row: bool) -> list[list[int]]:
+    """`_decode_buckets`, or every row alone (the engine's batch-invariant mode)."""
+    return [[i] for i in range(len(lengths))] if per_row else _decode_buckets(lengths, block_size)
+
+
 def _decode_buckets(ctx: list[int], block_size: int) -> list[list[int]]:
     """Row indices grouped by context length, shortest first: a bucket's longest row holds fewer
     than 2 x (its shortest row's blocks) + 1 blocks, so padding stays under half of a bucket."""
@@ -466,6 +471,25 @@ def _decode_buckets(ctx: list[int], block_size: int) -> list[list[int]]:
             buckets.append([i])
             lo = nb
     return buckets
+
+
+def _continuations(rows: list[int], ctxs: list[int], seqs, first: list[int], block_size: int, windows: set, device,
+                   tables) -> "AttnGroup":
+    """One "cache" group for prefill continuations `rows` (contexts `ctxs`): a lone one keeps its token
+    range; more have their queries padded to the longest chunk by repeating each one's last query (same
+    query, same mask: the same result, written twice to the same token)."""
+    nb = -(-max(ctxs) // block_size)
+    if len(rows) == 1:
+        r, q = rows[0], len(seqs[rows[0]][0])
+        qpos = torch.arange(seqs[r][1], ctxs[0])
+        masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(1, 1, q, -1), device) for w in windows}
+        return AttnGroup("cache", first[r], first[r] + q, 1, q, None, tables([r], nb), masks)
+    L = max(len(seqs[r][0]) for r in rows)
+    qpos = torch.tensor([[min(seqs[r][1] + j, c - 1) for j in range(L)] for r, c in zip(rows, ctxs)])
+    index = [first[r] + min(j, len(seqs[r][0]) - 1) for r in rows for j in range(L)]
+    masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(len(rows), 1, L, -1), device) for w in windows}
+    return AttnGroup("cache", -1, -1, len(rows), L, to_device(torch.tensor(index, dtype=torch.long), device),
+                     tables(rows, nb), masks)
 
 
 def build_step_batch(
@@ -541,37 +565,23 @@ def build_step_batch(
             continue
         cont.append(i)
         i += 1
-    # continuations bucketed by context length like decode rows, one call per bucket: a burst of prompts
-    # on one cached system prompt is 30 continuations, and a call each per layer cost more host time than
-    # their products (31 x 36-token prompts: 930 attention calls)
-    for bucket in [[b] for b in range(len(cont))] if per_row else _decode_buckets(
-            [seqs[i][1] + len(seqs[i][0]) for i in cont], block_size):
-        rows = [cont[b] for b in bucket]
-        ctxs = [seqs[r][1] + len(seqs[r][0]) for r in rows]
-        nb = -(-max(ctxs) // block_size)
-        if len(rows) == 1:
-            r, q = rows[0], len(seqs[rows[0]][0])
-            qpos = torch.arange(seqs[r][1], ctxs[0])
-            masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(1, 1, q, -1), device) for w in windows}
-            groups.append(AttnGroup("cache", first[r], first[r] + q, 1, q, None, tables([r], nb), masks))
-            continue
-        # queries padded to the longest chunk by repeating each row's last query (same query, same mask:
-        # the same result, written twice to the same token)
-        L = max(len(seqs[r][0]) for r in rows)
-        qpos = torch.tensor([[min(seqs[r][1] + j, c - 1) for j in range(L)] for r, c in zip(rows, ctxs)])
-        index = [first[r] + min(j, len(seqs[r][0]) - 1) for r in rows for j in range(L)]
-        masks = {w: to_device(_window_mask(qpos, nb * block_size, w).view(len(rows), 1, L, -1), device)
-                 for w in windows}
-        groups.append(AttnGroup("cache", -1, -1, len(rows), L, to_device(torch.tensor(index, dtype=torch.long), device),
-                                tables(rows, nb), masks))
+    # continuations bucketed like decode rows, one call per bucket: a burst of prompts on one cached
+    # system prompt is 30 continuations, and a call each per layer cost more host time than their
+    # products (31 x 36-token prompts: 930 attention calls). By context length (key padding), then by
+    # chunk length (query padding), so a short chunk is never padded to a long one's length.
+    cctx = [seqs[i][1] + len(seqs[i][0]) for i in cont]
+    for by_ctx in _buckets(cctx, block_size, per_row):
+        for by_len in _buckets([len(seqs[cont[b]][0]) for b in by_ctx], block_size, per_row):
+            rows = [cont[by_ctx[b]] for b in sorted(by_len)]  # in context order
+            ctxs = [cctx[by_ctx[b]] for b in sorted(by_len)]
+            groups.append(_continuations(rows, ctxs, seqs, first, block_size, windows, device, tables))
     dec = list(range(decode_from, n))
     ctx = [seqs[i][1] + 1 for i in dec]
     if dec and decode_tables is not None:  # decode rows are the step's last tokens, one each
         meta = decode_tables.build(ctx, [seqs[i][2] for i in dec], windows)
         groups.append(AttnGroup("paged", first[decode_from], len(tok), len(dec), 1, None, None, {}, meta))
-        dec = []
-    buckets = [[b] for b in range(len(dec))] if per_row else _decode_buckets(ctx, block_size) if dec else []
-    for bucket in buckets:
+        dec, ctx = [], []
+    for bucket in _buckets(ctx, block_size, per_row):
         rows = [dec[b] for b in bucket]
         nb = max(-(-ctx[b] // block_size) for b in bucket)
         qpos = torch.tensor([ctx[b] - 1 for b in bucket]).view(-1, 1)

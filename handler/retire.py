@@ -70,8 +70,7 @@ class Retirer:
         return adapter_id in self.unaliased
 
     async def step(self, wait: float = 0.0) -> None:
-        table, self.etag = await (self.registry.routing_table(self.etag, wait=wait) if wait > 0
-                                  else self.registry.routing_table(self.etag))
+        table, self.etag = await self.registry.routing_table(self.etag, wait=wait)
         if table is not None:
             unload, purge = to_retire(self.previous, table)
             self.unaliased = (self.unaliased | unload | purge) - pointed(table)

@@ -179,6 +179,10 @@ def test_continuations_of_unequal_length_share_one_attention_call():
     assert g.block_tables.tolist() == [[0, 1, 0], [0, 2, 0], [0, 3, 4]]
     alone = build_step_batch(seqs[:1] + seqs[3:], 16, torch.device("cpu"), {None}, decode_from=1)
     assert [(g.kind, g.start, g.end, g.index) for g in alone.groups][0] == ("cache", 0, 3, None)
+    # a 1-token chunk is not padded to a 100-token one at a similar context (over 2x + 1 block): two calls
+    mixed = build_step_batch([([1], 120, list(range(8))), (list(range(100)), 16, list(range(8, 16)))], 16,
+                             torch.device("cpu"), {None}, decode_from=2)
+    assert sorted((g.num_seqs, g.max_q) for g in mixed.groups) == [(1, 1), (1, 100)]
 
 
 @pytest.mark.parametrize("attention", ["gather", "paged"])

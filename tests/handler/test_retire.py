@@ -62,7 +62,7 @@ class Registry:
     def __init__(self, tables):
         self.tables = list(tables)
 
-    async def routing_table(self, etag):
+    async def routing_table(self, etag, wait=0.0):
         if not self.tables:
             return None, etag  # 304
         return self.tables.pop(0), f"v{len(self.tables)}"
