@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import uvicorn
 
+log = logging.getLogger("lorafarm.serving")
 
 @dataclass
 class ClientLimits:
@@ -65,6 +67,8 @@ def timed_protocol(base: type, request_timeout: float) -> type:
             if cycle is not None and not cycle.more_body and not cycle.response_complete:
                 return  # read whole meanwhile: being answered
             if not self.transport.is_closing():
+                log.warning("closing a client connection: its request was not read whole within %.0f s "
+                            "(--request-timeout)", request_timeout)
                 self.transport.close()
 
     TimedProtocol.__name__ = f"Timed{base.__name__}"

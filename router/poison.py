@@ -3,7 +3,10 @@
 A request that was in flight on a replica that *died* (the connection broke mid-request, not a clean
 HTTP error, and the replica's `/health` no longer answers) is suspect: the router sends it to at most
 `death_retries` more replicas (default 1), and a body seen in flight at `threshold` deaths (default
-2) is refused for `cooloff` seconds with a 400 `poison_request`, before it reaches any replica. The
+2) is refused for `cooloff` seconds with a 400 `poison_request`, before it reaches any replica.
+Deaths are replica deaths, not requests: when one replica dies with several copies of a body in
+flight (a popular prompt, a tenant's probe), that is one death of that body, not several (counting
+copies refused a tenant's identical requests for the whole cooloff after one unrelated crash). The
 body is known by a fingerprint: sha256 of the tenant, the endpoint and the canonical JSON body
 (without `stream`/`stream_options`, so the streamed and plain forms are one body).
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 _IGNORED_KEYS = ("stream", "stream_options")
 
@@ -33,9 +36,10 @@ def fingerprint(tenant_id: str, endpoint: str, body: dict) -> str:
 
 
 class PoisonGuard:
-    """Counts replica deaths per fingerprint inside a window of `cooloff` seconds; at `threshold`
-    deaths the fingerprint is refused until `cooloff` seconds after the last death. Bounded: at most
-    `max_entries` fingerprints are remembered (expired ones first, then the oldest, are dropped)."""
+    """Counts distinct replica deaths per fingerprint inside a window of `cooloff` seconds; at
+    `threshold` deaths the fingerprint is refused until `cooloff` seconds after the last death.
+    Bounded: at most `max_entries` fingerprints are remembered (expired ones first, then the oldest,
+    are dropped)."""
 
     def __init__(self, threshold: int = 2, cooloff: float = 600.0, max_entries: int = 100_000,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
@@ -45,7 +49,7 @@ class PoisonGuard:
         self.cooloff = cooloff
         self.max_entries = max_entries
         self.clock = clock
-        self._deaths: dict[str, tuple[int, float]] = {}  # fingerprint -> (deaths, expires at)
+        self._deaths: dict[str, tuple[frozenset, float]] = {}  # fingerprint -> (deaths, expires at)
 
     def deaths(self, fp: str) -> int:
         entry = self._deaths.get(fp)
@@ -54,12 +58,12 @@ class PoisonGuard:
         if entry[1] <= self.clock():
             del self._deaths[fp]
             return 0
-        return entry[0]
+        return len(entry[0])
 
     def refused_for(self, fp: str) -> float:
         """Seconds of cooling-off left for this fingerprint (0.0: not refused)."""
         entry = self._deaths.get(fp)
-        if entry is None or entry[0] < self.threshold:
+        if entry is None or len(entry[0]) < self.threshold:
             return 0.0
         left = entry[1] - self.clock()
         if left <= 0:
@@ -67,11 +71,15 @@ class PoisonGuard:
             return 0.0
         return left
 
-    def record_death(self, fp: str) -> int:
-        """One more replica death with this body in flight; returns the deaths now counted."""
-        n = self.deaths(fp) + 1
+    def record_death(self, fp: str, death: Hashable | None = None) -> int:
+        """A replica died with this body in flight; `death` names that death (every request in flight
+        on it passes the same one: it counts once; None: a death of its own). Returns the deaths now
+        counted for this body."""
+        seen = self._deaths[fp][0] if self.deaths(fp) else frozenset()
+        seen = seen | {death if death is not None else object()}
         self._deaths.pop(fp, None)  # re-insert: the dict stays ordered by last death
-        self._deaths[fp] = (n, self.clock() + self.cooloff)
+        self._deaths[fp] = (seen, self.clock() + self.cooloff)
+        n = len(seen)
         if len(self._deaths) > self.max_entries:
             self._prune()
         return n

@@ -111,6 +111,10 @@ class ClosedSafeBackend(httpcore.AsyncNetworkBackend):
 # answer 503 (seen once in a bench-peers run, on a request sent as the farm was resumed from a pause).
 UPSTREAM_KEEPALIVE_S = 2.0
 
+# Every request in flight on a replica that dies notices it within a health probe of the others:
+# deaths of one replica noticed within this many seconds of the first are one death (router/poison.py).
+DEATH_EVENT_S = 5.0
+
 
 def make_http_client(max_connections: int, timeout: httpx.Timeout) -> httpx.AsyncClient:
     """The router's upstream client: a pool whose connections survive a peer reset (see
@@ -277,6 +281,7 @@ class Proxy:
         self.upstream_headers = upstream_headers or (lambda replica_id, h: h)
         self.probe_alive = probe_alive or self._probe_health
         self._death_checks: set[asyncio.Task] = set()
+        self._death_events: dict[str, tuple[int, float]] = {}  # replica -> (its deaths, when the last began)
 
     def _headers(self, request_id: str, tenant_id: str) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": request_id, "x-lorafarm-tenant": tenant_id}
@@ -304,6 +309,17 @@ class Proxy:
             return False
         with anyio.CancelScope(shield=True):
             return not await self.probe_alive(cand)
+
+    def _death_event(self, replica_id: str) -> tuple[str, int]:
+        """Names one death of a replica, the same for every request that was in flight on it: the
+        deaths noticed within DEATH_EVENT_S of the first are that one (a restarted replica that dies
+        again later is a new death)."""
+        now = time.monotonic()
+        n, began = self._death_events.get(replica_id, (0, float("-inf")))
+        if now - began > DEATH_EVENT_S:
+            n, began = n + 1, now
+            self._death_events[replica_id] = (n, began)
+        return replica_id, n
 
     def poison_failed(self, request_id: str, tenant_id: str, fp: str, tried: list[str], deaths: int) -> Failed:
         left = max(1, int(self.guard.refused_for(fp) + 0.999))
@@ -397,7 +413,7 @@ class Proxy:
                     deaths += 1
                     self.on_failure(rid, "died")
                     self.on_death(rid, "before_first_byte")
-                    seen = self.guard.record_death(fingerprint) if fingerprint else 0
+                    seen = self.guard.record_death(fingerprint, self._death_event(rid)) if fingerprint else 0
                     log.warning(
                         "request %s tenant %s: replica %s died with it in flight (%s: %s); this body was in "
                         "flight at %d replica deaths", request_id, tenant_id, rid, reason, e, seen,
@@ -478,7 +494,8 @@ class Proxy:
             if await self._died(opened.ranked, e):
                 self.on_failure(opened.ranked.replica_id, "died")
                 self.on_death(opened.ranked.replica_id, "mid_stream")
-                seen = self.guard.record_death(opened.fingerprint) if opened.fingerprint else 0
+                death = self._death_event(opened.ranked.replica_id)
+                seen = self.guard.record_death(opened.fingerprint, death) if opened.fingerprint else 0
                 log.warning("request %s tenant %s: replica %s died mid-stream; this body was in flight at %d "
                             "replica deaths", opened.request_id, opened.tenant_id, opened.ranked.replica_id, seen)
 

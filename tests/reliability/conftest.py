@@ -21,8 +21,11 @@ from lorafarm.registry_client import RegistryClient
 from tests.e2e.conftest import running, seeded_farm
 
 RELIABILITY_ADAPTERS = 6
-# short enough that a frozen replica is noticed in seconds, long enough for a loaded 2-core CI box
-ROUTER_ARGS = ["--first-byte-timeout", "4", "--read-timeout", "4", "--poll-interval", "0.5", "--request-timeout", "2"]
+# short enough that a frozen replica is noticed in seconds, long enough for a loaded 2-core CI box. The
+# request read deadline also judges this suite's own clients: a pytest process that has run the whole
+# suite can pause seconds (a full garbage collection on a loaded box) between a request's head and
+# its body, and a 2 s deadline then closed healthy soak clients (lost_connection on CI).
+ROUTER_ARGS = ["--first-byte-timeout", "4", "--read-timeout", "4", "--poll-interval", "0.5", "--request-timeout", "8"]
 REGISTRY_ARGS = ["--replica-timeout", "3"]
 
 

@@ -1,5 +1,5 @@
 """Item 6: idle and half-sent client connections are closed by the router (request read deadline,
---request-timeout 2 in this farm), and a keyed client is served while they are open."""
+--request-timeout 8 in this farm), and a keyed client is served while they are open."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_idle_and_half_sent_connections_are_closed(rfarm, rtenant, markers):
         started = time.monotonic()
         for kind, group in socks.items():
             for s in group:
-                assert _closed_by_peer(s, 15.0), f"a {kind} connection was not closed"
+                assert _closed_by_peer(s, 30.0), f"a {kind} connection was not closed"
         print(f"slow clients: {3 * PER_KIND} connections (router fds {baseline} -> {held}) all closed "
               f"{time.monotonic() - started:.1f} s after the keyed request")
     finally:

@@ -72,7 +72,9 @@ def test_soak_with_churn(rfarm, rtenant, markers):
     before = _router_counts(rfarm)
     outcomes: collections.Counter = collections.Counter()
     wrong: list[tuple] = []
+    lost: list[tuple] = []  # (seconds into the soak, model, cause): what a failure shows
     faults: collections.Counter = collections.Counter()
+    fault_times: list[tuple] = []
     rng = random.Random(12)
 
     async def worker(k: int, stop: float) -> None:
@@ -88,9 +90,11 @@ def test_soak_with_churn(rfarm, rtenant, markers):
                     continue
                 except openai.APITimeoutError:
                     outcomes["lost_timeout"] += 1
+                    lost.append((round(time.monotonic() - started, 2), model, "timeout"))
                     continue
-                except openai.APIConnectionError:
+                except openai.APIConnectionError as e:
                     outcomes["lost_connection"] += 1
+                    lost.append((round(time.monotonic() - started, 2), model, repr(e.__cause__)))
                     continue
                 except openai.APIError as e:  # an error event in a stream: explicit
                     outcomes[f"stream_error_{getattr(e, 'code', None)}"] += 1
@@ -131,15 +135,17 @@ def test_soak_with_churn(rfarm, rtenant, markers):
                     victim = rng.randrange(len(rfarm["replicas"]))
                     os.kill(rfarm["_farm"].procs[f"replica-r{victim}"].pid, signal.SIGKILL)
                     faults["replica_sigkill"] += 1
+                    fault_times.append((round(time.monotonic() - started, 2), f"sigkill r{victim}"))
                     await asyncio.to_thread(restart_replica, rfarm, victim)
                     faults["replica_restarted"] += 1
                     next_restart = time.monotonic() + RESTART_EVERY_S
+
+    started = time.monotonic()
 
     async def main() -> None:
         stop = time.monotonic() + SOAK_S
         await asyncio.gather(churn(stop), *(worker(k, stop) for k in range(CONCURRENCY)))
 
-    started = time.monotonic()
     asyncio.run(main())
     elapsed = time.monotonic() - started
     wait_for(lambda: router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"]), 30, what="farm healthy")
@@ -148,14 +154,16 @@ def test_soak_with_churn(rfarm, rtenant, markers):
     sent = sum(outcomes.values())
     summary = {"seconds": round(elapsed, 1), "concurrency": CONCURRENCY, "requests": sent,
                "outcomes": dict(outcomes), "faults": dict(faults), "router_counts": delta,
-               "wrong": wrong[:10]}
+               "wrong": wrong[:10], "lost": lost[:10], "faults_at": fault_times}
     print("soak:", json.dumps(summary))
     if os.environ.get("LORAFARM_SOAK_OUT"):
         Path(os.environ["LORAFARM_SOAK_OUT"]).parent.mkdir(parents=True, exist_ok=True)
         Path(os.environ["LORAFARM_SOAK_OUT"]).write_text(json.dumps(summary, indent=2) + "\n")
     assert outcomes["wrong_marker"] == 0 and not wrong, wrong[:5]
-    assert not any(k.startswith("lost") for k in outcomes), outcomes  # nothing hung, nothing dropped silently
+    assert not any(k.startswith("lost") for k in outcomes), (outcomes, lost[:10], fault_times)  # nothing hung or dropped
     assert faults["replica_restarted"] >= 1 and faults["alias_flips"] >= 5
+    if faults["replica_sigkill"] == 1:  # one death is never poison, however many copies of a body it held
+        assert not outcomes.get("http_400_poison_request"), outcomes
     # accepted = completed + ended with an explicit error, and the router counted the same
     assert sum(delta.values()) == sent, (delta, outcomes)
     assert delta.get("200", 0) == outcomes["ok"], (delta, outcomes)

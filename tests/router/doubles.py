@@ -405,6 +405,7 @@ class DyingReplica:
         self.base = base
         self.poison = poison
         self.kills: dict | None = None
+        self.die_holding = 0  # > 0: hold completions, and die once this many are held (all in flight)
         self.hits: list[bytes] = []  # completion bodies received
         self.dead = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
@@ -444,6 +445,12 @@ class DyingReplica:
                 method, path, _ = lines[0].split(" ", 2)
                 hdrs = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(hdrs.get("content-length") or 0))
+                if self.die_holding and method == "POST" and path.startswith("/v1/"):
+                    self.hits.append(body)
+                    if len(self.hits) >= self.die_holding:
+                        self.die()
+                    await self.dead.wait()
+                    return
                 status, ctype, payload = self._answer(method, path, body)
                 if status == 0:  # died
                     return

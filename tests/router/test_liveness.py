@@ -124,6 +124,38 @@ async def test_innocent_request_on_a_killed_replica_is_retried_once_and_served()
         assert _count(farm, "lorafarm_router_poison_requests_total", outcome="refused") == 0
 
 
+async def test_one_replica_death_with_copies_of_a_body_in_flight_is_one_death():
+    """A replica dies holding three identical requests (a popular prompt): that is one death of the
+    body, not three. Every copy is served by the next replica and the body is not refused afterwards
+    (counting copies refused it for the whole cooloff after one unrelated crash)."""
+    from router.poison import PoisonGuard, fingerprint
+    from router.proxy import Proxy, Opened
+    from router.routing import RankedReplica, ReplicaSnapshot
+
+    dying, healthy = await DyingReplica("d0").start(), await DyingReplica("d1").start()
+    dying.die_holding = 3
+    guard = PoisonGuard(threshold=2)
+    body = {"model": "dev-a", "messages": MSG, "max_tokens": 4}
+    fp = fingerprint("acme", "chat", body)
+    ranked = [RankedReplica(ReplicaSnapshot(rep.replica_id, url=rep.url), "base", "warm") for rep in (dying, healthy)]
+    async with make_http_client(16, httpx.Timeout(10.0)) as http:
+        proxy = Proxy(http, admin_token=None, guard=guard)
+
+        async def one() -> Opened:
+            out = await proxy.open(ranked, "/v1/chat/completions", json.dumps(body).encode(), request_id="r",
+                                   tenant_id="acme", read_whole_body=True, fingerprint=fp)
+            if isinstance(out, Opened):
+                await out.aclose()
+            return out
+
+        outs = await asyncio.wait_for(asyncio.gather(one(), one(), one()), 30)
+    assert dying.dead.is_set() and len(dying.hits) == 3
+    assert [type(o).__name__ for o in outs] == ["Opened"] * 3, [getattr(o, "body", o) for o in outs]
+    assert all(o.ranked.replica_id == "d1" and o.status_code == 200 for o in outs)
+    assert guard.deaths(fp) == 1 and guard.refused_for(fp) == 0.0
+    await healthy.stop()
+
+
 async def test_replica_already_down_is_plain_failover_not_a_death():
     async with router_farm(replicas=()) as farm:
         key = farm.registry.add_tenant("acme")
@@ -280,6 +312,9 @@ def test_poison_guard_counts_deaths_per_fingerprint_and_forgets_after_the_coolof
     for i in range(5):  # bounded: the oldest fingerprints go first
         g.record_death(f"fp{i}")
     assert len(g) == 3 and g.deaths("fp0") == 0 and g.deaths("fp4") == 1
+    # one death named by every request that was in flight on it counts once; another death counts
+    assert g.record_death("x", ("r0", 1)) == 1 and g.record_death("x", ("r0", 1)) == 1
+    assert g.record_death("x", ("r0", 2)) == 2 and g.refused_for("x") == 10.0
 
 
 async def test_upstream_connections_expire_before_a_replica_closes_them():
