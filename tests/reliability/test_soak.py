@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import os
 import random
@@ -141,12 +142,24 @@ def test_soak_with_churn(rfarm, rtenant, markers):
                     next_restart = time.monotonic() + RESTART_EVERY_S
 
     started = time.monotonic()
+    gc_pauses: list[float] = []  # this process's own collections: a long one stalls its clients mid-request
+    gc_began = [0.0]
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_began[0] = time.perf_counter()
+        else:
+            gc_pauses.append(time.perf_counter() - gc_began[0])
 
     async def main() -> None:
         stop = time.monotonic() + SOAK_S
         await asyncio.gather(churn(stop), *(worker(k, stop) for k in range(CONCURRENCY)))
 
-    asyncio.run(main())
+    gc.callbacks.append(gc_timer)
+    try:
+        asyncio.run(main())
+    finally:
+        gc.callbacks.remove(gc_timer)
     elapsed = time.monotonic() - started
     wait_for(lambda: router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"]), 30, what="farm healthy")
     after = _router_counts(rfarm)
@@ -154,7 +167,8 @@ def test_soak_with_churn(rfarm, rtenant, markers):
     sent = sum(outcomes.values())
     summary = {"seconds": round(elapsed, 1), "concurrency": CONCURRENCY, "requests": sent,
                "outcomes": dict(outcomes), "faults": dict(faults), "router_counts": delta,
-               "wrong": wrong[:10], "lost": lost[:10], "faults_at": fault_times}
+               "wrong": wrong[:10], "lost": lost[:10], "faults_at": fault_times,
+               "gc_longest_pause_s": round(max(gc_pauses, default=0.0), 3)}
     print("soak:", json.dumps(summary))
     if os.environ.get("LORAFARM_SOAK_OUT"):
         Path(os.environ["LORAFARM_SOAK_OUT"]).parent.mkdir(parents=True, exist_ok=True)
