@@ -20,6 +20,7 @@ import uvicorn
 
 log = logging.getLogger("lorafarm.serving")
 
+
 @dataclass
 class ClientLimits:
     request_timeout: float = 30.0  # connection open / first byte of a request -> its whole body read

@@ -310,6 +310,14 @@ class Proxy:
         with anyio.CancelScope(shield=True):
             return not await self.probe_alive(cand)
 
+    def _record_death(self, replica_id: str, phase: str, fp: str | None) -> int:
+        """A replica died with a request in flight: health, metrics, and one more death of the body
+        (returns the deaths now counted for it; 0 without a fingerprint)."""
+        self.on_failure(replica_id, "died")
+        self.on_death(replica_id, phase)
+        death = self._death_event(replica_id)
+        return self.guard.record_death(fp, death) if fp else 0
+
     def _death_event(self, replica_id: str) -> tuple[str, int]:
         """Names one death of a replica, the same for every request that was in flight on it: the
         deaths noticed within DEATH_EVENT_S of the first are that one (a restarted replica that dies
@@ -411,9 +419,7 @@ class Proxy:
                     self.on_failure(rid, reason)
                 if await self._died(cand, e):
                     deaths += 1
-                    self.on_failure(rid, "died")
-                    self.on_death(rid, "before_first_byte")
-                    seen = self.guard.record_death(fingerprint, self._death_event(rid)) if fingerprint else 0
+                    seen = self._record_death(rid, "before_first_byte", fingerprint)
                     log.warning(
                         "request %s tenant %s: replica %s died with it in flight (%s: %s); this body was in "
                         "flight at %d replica deaths", request_id, tenant_id, rid, reason, e, seen,
@@ -492,10 +498,7 @@ class Proxy:
 
         async def check() -> None:
             if await self._died(opened.ranked, e):
-                self.on_failure(opened.ranked.replica_id, "died")
-                self.on_death(opened.ranked.replica_id, "mid_stream")
-                death = self._death_event(opened.ranked.replica_id)
-                seen = self.guard.record_death(opened.fingerprint, death) if opened.fingerprint else 0
+                seen = self._record_death(opened.ranked.replica_id, "mid_stream", opened.fingerprint)
                 log.warning("request %s tenant %s: replica %s died mid-stream; this body was in flight at %d "
                             "replica deaths", opened.request_id, opened.tenant_id, opened.ranked.replica_id, seen)
 

@@ -138,22 +138,26 @@ async def test_one_replica_death_with_copies_of_a_body_in_flight_is_one_death():
     body = {"model": "dev-a", "messages": MSG, "max_tokens": 4}
     fp = fingerprint("acme", "chat", body)
     ranked = [RankedReplica(ReplicaSnapshot(rep.replica_id, url=rep.url), "base", "warm") for rep in (dying, healthy)]
-    async with make_http_client(16, httpx.Timeout(10.0)) as http:
-        proxy = Proxy(http, admin_token=None, guard=guard)
+    try:
+        async with make_http_client(16, httpx.Timeout(10.0)) as http:
+            proxy = Proxy(http, admin_token=None, guard=guard)
 
-        async def one() -> Opened:
-            out = await proxy.open(ranked, "/v1/chat/completions", json.dumps(body).encode(), request_id="r",
-                                   tenant_id="acme", read_whole_body=True, fingerprint=fp)
-            if isinstance(out, Opened):
-                await out.aclose()
-            return out
+            async def one() -> Opened:
+                out = await proxy.open(ranked, "/v1/chat/completions", json.dumps(body).encode(), request_id="r",
+                                       tenant_id="acme", read_whole_body=True, fingerprint=fp)
+                if isinstance(out, Opened):
+                    await out.aclose()
+                return out
 
-        outs = await asyncio.wait_for(asyncio.gather(one(), one(), one()), 30)
-    assert dying.dead.is_set() and len(dying.hits) == 3
+            outs = await asyncio.wait_for(asyncio.gather(one(), one(), one()), 30)
+        assert dying.dead.is_set()  # it died with all three in flight (before the stops below)
+    finally:
+        await dying.stop()
+        await healthy.stop()
+    assert len(dying.hits) == 3
     assert [type(o).__name__ for o in outs] == ["Opened"] * 3, [getattr(o, "body", o) for o in outs]
     assert all(o.ranked.replica_id == "d1" and o.status_code == 200 for o in outs)
     assert guard.deaths(fp) == 1 and guard.refused_for(fp) == 0.0
-    await healthy.stop()
 
 
 async def test_replica_already_down_is_plain_failover_not_a_death():
