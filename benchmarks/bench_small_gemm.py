@@ -36,8 +36,9 @@ def real_engine():
 
     model_dir = real_model_dir()
     adapters = _adapters(model_dir, max(ROWS))
+    # no speculative drafts: a step here is one row per request, as on the torch path it is compared with
     e = Engine(model_dir, device="cpu", dtype=torch.float32, kv_cache_bytes=64 << 20, max_batch=32,
-               rank_pools={RANK: len(adapters)})
+               rank_pools={RANK: len(adapters)}, speculate=0)
     for i, w in enumerate(adapters):
         e.mount_adapter(f"a{i}", w, rank=RANK, alpha=ALPHA, target_modules=MODULES)
     return e

@@ -32,6 +32,7 @@ from handler import openai_schemas as oai
 from handler.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
 from handler.handler import Generation, HandlerContext, Limits, LoraHandler, load_error_to_openai
 from handler.metrics import CONTENT_TYPE, ReplicaMetrics
+from handler.speculate import SPECULATE_TOKENS
 from lorafarm.openapi import openapi_config
 from lorafarm.serving import ClientGone, unless_disconnected
 
@@ -75,6 +76,7 @@ class ReplicaConfig:
     compile: bool = False  # torch.compile the layer pieces of decode steps (CUDA graphs on cuda)
     batch_invariant: bool = False  # a row's arithmetic independent of the batch (handler.engine.Engine)
     prefix_cache: bool = True  # reuse the KV of identical prompt prefixes, per tenant and adapter
+    speculate: int = SPECULATE_TOKENS  # n-gram draft tokens per greedy request and step (0: off; handler.speculate)
     pull_owned: bool = True
     prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
     prefetch_top: int = 16  # how many of the most requested adapters to keep warm
@@ -210,7 +212,7 @@ class ReplicaService:
             rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
             ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
             source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile,
-            batch_invariant=cfg.batch_invariant, prefix_cache=cfg.prefix_cache)
+            batch_invariant=cfg.batch_invariant, prefix_cache=cfg.prefix_cache, speculate=cfg.speculate)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
         await asyncio.to_thread(self.handler.initialize, ctx)

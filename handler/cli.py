@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from handler.speculate import SPECULATE_TOKENS
 from lorafarm.errors import CliError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -153,6 +154,10 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (default: KV blocks of identical prompt prefixes are "
                         "reused, only within one tenant, adapter and base: docs/architecture.md, Prefix cache)")
+    p.add_argument("--speculate", type=int, default=SPECULATE_TOKENS, metavar="N",
+                   help="n-gram draft tokens per greedy request and decode step, checked in the same step (the "
+                        "answer is the same token for token; a few rows cost about one on CPU; 0: off; default "
+                        f"{SPECULATE_TOKENS}; handler/speculate.py)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
                         "cuda); compiles for a minute or more at first use")
@@ -210,6 +215,8 @@ def build_config(args: argparse.Namespace):
         raise CliError("no trusted public key: pass --trust public.pem (or set LORAFARM_TRUST)")
     if (args.slots is not None and args.slots < 0) or args.rank_limit < 1:
         raise CliError("--slots must be >= 0 and --rank-limit >= 1")
+    if getattr(args, "speculate", 0) < 0:
+        raise CliError("--speculate must be >= 0 (0: no draft tokens)")
     device = args.device
     dtype = args.dtype
     if dtype is None:
@@ -259,6 +266,7 @@ def build_config(args: argparse.Namespace):
         attention=args.attention, compile=getattr(args, "compile", False),
         batch_invariant=getattr(args, "batch_invariant", False),
         prefix_cache=not getattr(args, "no_prefix_cache", False),
+        speculate=getattr(args, "speculate", SPECULATE_TOKENS),
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 

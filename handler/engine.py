@@ -22,7 +22,9 @@ Scheduling, once per `step()`:
   2. One forward pass over the flat tokens of: prefill chunks of admitted requests, at most
      `max_prefill_tokens` in all (a long prompt is split across steps), and one decode token for
      every running request. The base products run once for all tokens; adapter deltas are the
-     batched multi-LoRA products of `handler.lora`.
+     batched multi-LoRA products of `handler.lora`. A decode-only step on the C decode step with
+     few rows also checks n-gram draft tokens of greedy requests (`handler.speculate`): a request
+     can take more than one token from a step, always the tokens plain decoding gives.
   3. Sampling per request, events, and finished or cancelled requests leave the batch and free
      their cache blocks at once.
 
@@ -71,6 +73,7 @@ from handler.decode_step import DecodeStep
 from handler.decode_step import why_not as decode_step_why_not
 from handler.paged_attention import DecodeTables
 from handler.sampling import RowState, SamplingParams, sample
+from handler.speculate import SPECULATE_MAX_ROWS, SPECULATE_TOKENS, NgramIndex, accepted, can_draft
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,8 @@ class EngineStats:
     prefix_cache_blocks: int = 0  # blocks holding a cached prefix block now (in use or not)
     prefix_cache_evictions: int = 0
     prefix_cache_deferred: int = 0  # admissions put off until a prefix block another request computes is cached
+    speculative_drafted: int = 0  # draft tokens checked (handler.speculate)
+    speculative_accepted: int = 0  # of those, tokens taken
 
 
 @dataclass
@@ -177,7 +182,7 @@ class _Request:
     __slots__ = (
         "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled", "ctx",
         "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop", "salt", "hashes",
-        "published", "cached", "admitted",
+        "published", "cached", "admitted", "ngrams",
     )
 
     def __init__(self, rid, prompt, params, adapter_id, slot, on_event, gen, salt=None):
@@ -199,6 +204,7 @@ class _Request:
         self.published = 0  # leading blocks of `blocks` already named in the prefix cache
         self.cached = 0  # prompt tokens taken from the prefix cache at first admission
         self.admitted = False
+        self.ngrams: NgramIndex | None = None  # speculative drafts' lookup, made at its first drafted step
 
     def remaining(self) -> int:
         return (len(self.ctx) - self.prefilled) + (self.params.max_tokens - len(self.out))
@@ -228,6 +234,8 @@ class Engine:
         prefix_cache: bool = False,
         cache_key: str | None = None,
         decode_step: bool | None = None,
+        speculate: int = SPECULATE_TOKENS,
+        speculate_max_rows: int = SPECULATE_MAX_ROWS,
     ):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
@@ -255,6 +263,10 @@ class Engine:
         decode_step: steps of 1-64 decode rows through the C decode step (`handler.decode_step`): None
         (default) where it applies and attention is "auto" without compile or batch_invariant, True
         required (ValueError where it cannot apply), False never.
+        speculate: draft tokens per request and step (`handler.speculate`: n-gram drafts of greedy
+        requests, checked in the same C decode step; 0: off). Drafts are added only to decode-only
+        C steps whose rows, drafts included, stay within speculate_max_rows: a few rows cost about
+        one, more do not.
         """
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
@@ -344,6 +356,13 @@ class Engine:
             if why is None:
                 self.decode_step = DecodeStep(self.runner, self.kv, self.lora)
             log.info("decode steps of 1-%d rows: %s", DECODE_STEP_ROWS, why or "C decode step")
+
+        if speculate < 0 or speculate_max_rows < 1:
+            raise ValueError("speculate must be >= 0 and speculate_max_rows >= 1")
+        self.speculate = int(speculate) if self.decode_step is not None else 0
+        self.speculate_max_rows = min(int(speculate_max_rows), DECODE_STEP_ROWS)
+        self._drafted = 0
+        self._draft_accepted = 0
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -612,6 +631,8 @@ class Engine:
                 prefix_cache_blocks=self.kv.pool.cached,
                 prefix_cache_evictions=self.kv.pool.evictions,
                 prefix_cache_deferred=self._deferred,
+                speculative_drafted=self._drafted,
+                speculative_accepted=self._draft_accepted,
             )
 
     @property
@@ -688,9 +709,13 @@ class Engine:
                 decode = sorted(self._running, key=lambda r: r.slot)
                 if not prefill and not decode:
                     return False
+                drafts = self._drafts(decode) if not prefill else {}
                 seqs = [(r.ctx[r.prefilled : r.prefilled + n], r.prefilled, r.blocks) for r, n in prefill]
-                seqs += [([r.out[-1]], len(r.prompt) + len(r.out) - 1, r.blocks) for r in decode]
-                slots = [r.slot for r, n in prefill for _ in range(n)] + [r.slot for r in decode]
+                slots = [r.slot for r, n in prefill for _ in range(n)]
+                for r in decode:  # a drafted request: its last token and each draft token, a row each
+                    p = len(r.prompt) + len(r.out) - 1
+                    seqs += [([t], p + i, r.blocks) for i, t in enumerate([r.out[-1], *drafts.get(r.id, ())])]
+                    slots += [r.slot] * (1 + len(drafts.get(r.id, ())))
                 batch_reqs = [r for r, _ in prefill] + decode
                 self._in_forward = {r.id for r in batch_reqs}
             try:
@@ -722,10 +747,12 @@ class Engine:
                     log.exception("paged decode attention failed; switching to the gathered path")
                     self.decode_tables = None
                     logits = forward()
-                # rows that produce a token: decode rows, and prefill rows whose prompt is complete
+                # rows that produce a token: decode rows (drafts included), and prefill rows whose
+                # prompt is complete
                 pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.ctx)]
-                pick += range(len(prefill), len(batch_reqs))
-                sreqs = [batch_reqs[i] for i in pick]
+                pick += range(len(prefill), len(seqs))
+                sreqs = [r for r, n in prefill if r.prefilled + n == len(r.ctx)]
+                sreqs += [r for r in decode for _ in range(1 + len(drafts.get(r.id, ())))]
                 tokens = []
                 if pick:
                     if pick == list(range(pick[0], pick[0] + len(pick))):
@@ -759,12 +786,52 @@ class Engine:
                 for r in decode:
                     if r.cancelled:
                         self._finish(r, None, "cancelled", events)
+                taken: dict[str, list[int]] = {}
                 for r, tok in zip(sreqs, tokens):
-                    if r.id in self._requests and not r.cancelled:
+                    taken.setdefault(r.id, []).append(tok)
+                for r, toks in ((r, taken[r.id]) for r in dict.fromkeys(sreqs)):
+                    if r.id in drafts:
+                        toks = accepted(drafts[r.id], toks)
+                        self._drafted += len(drafts[r.id])
+                        self._draft_accepted += len(toks) - 1
+                    for tok in toks:  # in order, until one ends the request
+                        if r.id not in self._requests or r.cancelled:
+                            break
                         self._on_token(r, tok, events)
                 self._cond.notify_all()
         self._dispatch(events)
         return True
+
+    def _drafts(self, decode: list[_Request]) -> dict[str, list[int]]:
+        """Draft tokens for this decode-only step (`handler.speculate`), request id -> tokens: while
+        the step's rows stay within speculate_max_rows, for requests whose next token is the argmax
+        alone, no further than their max_tokens and max_context allow, on blocks they hold or the
+        pool has free (a draft never preempts anyone)."""
+        if not self.speculate or len(decode) >= self.speculate_max_rows:
+            return {}
+        out: dict[str, list[int]] = {}
+        spare = self.speculate_max_rows - len(decode)
+        for r in decode:
+            if spare <= 0:
+                break
+            if not can_draft(r.params, r.gen):
+                continue
+            length = len(r.prompt) + len(r.out)  # positions once this step's first token is written
+            k = min(self.speculate, spare, r.params.max_tokens - len(r.out) - 1, self.max_context - length)
+            if k <= 0:
+                continue
+            if r.ngrams is None:
+                r.ngrams = NgramIndex()
+            r.ngrams.sync(r.prompt, r.out)
+            d = r.ngrams.propose(k)
+            if not d:
+                continue
+            if not self.kv.grow(r.blocks, length + len(d)):  # what the blocks it holds cover, then
+                d = d[: len(r.blocks) * self.kv.block_size - length]
+            if d:
+                out[r.id] = d
+                spare -= len(d)
+        return out
 
     def _admit(self) -> None:
         bs = self.kv.block_size

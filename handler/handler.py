@@ -32,6 +32,7 @@ import torch
 from handler import openai_schemas as oai
 from handler.cache import AdapterCache, AdapterLoadError, AdapterNotFoundError, AdapterSource
 from handler.metrics import ReplicaMetrics, RequestTimer
+from handler.speculate import SPECULATE_TOKENS
 
 log = logging.getLogger("lorafarm.replica")
 reqlog = logging.getLogger("lorafarm.replica.requests")
@@ -86,6 +87,7 @@ class HandlerContext:
     compile: bool = False  # torch.compile'd layer pieces for decode steps
     batch_invariant: bool = False  # Engine(batch_invariant=True)
     prefix_cache: bool = True  # Engine(prefix_cache=True): reuse KV of identical prefixes, per tenant
+    speculate: int = SPECULATE_TOKENS  # Engine(speculate=): n-gram draft tokens per greedy request and step
 
 
 @dataclass
@@ -348,6 +350,7 @@ class LoraHandler:
         context.metrics = self.metrics
         self.metrics.watch_grammar(self)
         self.metrics.watch_prefix_cache(self)
+        self.metrics.watch_speculation(self)
         self.base_config = read_base_config(context.model_dir)
         self.base_model_hash = base_model_hash(context.model_dir)
         pools = context.rank_pools or {r: context.slots for r in DEFAULT_RANK_POOLS if r <= context.limits.rank_limit}
@@ -356,7 +359,7 @@ class LoraHandler:
         kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
                                   rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens,
                                   attention=context.attention, compile=context.compile,
-                                  batch_invariant=context.batch_invariant, prefix_cache=context.prefix_cache,
+                                  batch_invariant=context.batch_invariant, prefix_cache=context.prefix_cache, speculate=context.speculate,
                                   cache_key=self.base_model_hash)
         if context.kv_cache_bytes:
             kw["kv_cache_bytes"] = context.kv_cache_bytes

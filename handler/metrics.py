@@ -98,6 +98,34 @@ class GrammarCollector:
         yield from (compiles, failures, respawns, alive, cached)
 
 
+class SpeculationCollector:
+    """The engine's speculative decoding (handler.speculate), read at scrape time: draft tokens checked
+    and taken (acceptance = accepted / drafted), also under vLLM's names."""
+
+    def __init__(self, handler, model_name: str):
+        self._handler = handler
+        self._model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        engine = getattr(self._handler, "engine", None)
+        if engine is None:
+            return
+        st = engine.stats()
+        for ours, vllm, help_, value in (
+                ("lorafarm_speculative_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+                 "N-gram draft tokens checked in decode steps.", st.speculative_drafted),
+                ("lorafarm_speculative_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+                 "Draft tokens taken (the model's own greedy tokens).", st.speculative_accepted)):
+            m = CounterMetricFamily(ours, help_)
+            m.add_metric([], value)
+            yield m
+            m = CounterMetricFamily(vllm, help_, labels=["model_name"])
+            m.add_metric([self._model_name], value)
+            yield m
+
+
 class PrefixCacheCollector:
     """The engine's prefix cache, read at scrape time (handler.prefix_cache): queries and hits in prompt
     tokens (vLLM's convention: hit rate = hits / queries), cached blocks and evictions; also under
@@ -251,6 +279,12 @@ class ReplicaMetrics:
         if not getattr(self, "_prefix_watched", False):
             self.registry.register(PrefixCacheCollector(handler, self.vllm.model_name))
             self._prefix_watched = True
+
+    def watch_speculation(self, handler) -> None:
+        """Export the engine's speculative decoding counters (read at each scrape)."""
+        if not getattr(self, "_speculation_watched", False):
+            self.registry.register(SpeculationCollector(handler, self.vllm.model_name))
+            self._speculation_watched = True
 
     def render(self) -> bytes:
         self.loads_per_min_gauge.set(self.loads_per_min())

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 
+from handler.speculate import SPECULATE_TOKENS
 from lorafarm.errors import CliError
 
 NAMES = {"ours": "ours", "vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers serve"}
@@ -260,6 +262,14 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
     if any(tpots.values()):
         md += ["Single-stream time per output token (W4, median): "
                + ", ".join(f"{NAMES.get(p, p)} {t * 1000:.1f} ms" for p, t in tpots.items() if t) + ".", ""]
+        spec = re.search(r"--speculate[ =](\d+)", json.dumps(meta))
+        n = int(spec.group(1)) if spec else SPECULATE_TOKENS
+        ours = ("ours off (`--speculate 0`)" if n == 0 else
+                f"ours {'at its default' if not spec else 'with'} `--speculate {n}` (a greedy request running alone "
+                f"gets up to {n} n-gram draft token(s) checked in each step; the answer is plain decoding's, token for "
+                "token: handler/speculate.py)")
+        md += [f"Speculative decoding: {ours}; llama.cpp at its default (`--spec-type none`); vLLM without a "
+               "speculative config (its default).", ""]
     if tgt := targets(data, summary):
         md += ["## Issue 22's targets", "", *tgt, ""]
     md += [f"![tokens/s]({pngs[0].relative_to(to)})", "", f"![TTFT]({pngs[1].relative_to(to)})", ""]

@@ -217,7 +217,8 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
         }
         linear(h, md->qkv[l], md->qkv_b[l], qkv, M, E, QKV, threads, par_min);
         lora(md, l, 0, &G[0], M, lora_pool, lora_slot, h, qkv, QKV, lh, lh_stride, threads, par_min);
-        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
+        /* every row's K/V is written before any row attends: rows of one sequence at consecutive positions
+           (a speculative step's draft tokens) each read the K/V the rows before them write in this layer */
         for (long m = 0; m < M; m++) {
             float *q = qkv + m * QKV, *k = q + qd, *v = k + kvd;
             const float *cs = md->cos + positions[m] * D, *sn = md->sin + positions[m] * D;
@@ -225,8 +226,11 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
             rope(k, cs, sn, KVH, D);
             memcpy(kc + cache_slots[m] * kvd, k, kvd * sizeof(float));
             memcpy(vc + cache_slots[m] * kvd, v, kvd * sizeof(float));
-            attend_row(md, kc, vc, q, tables + m * nb, positions[m] + 1, att + m * qd, sc + omp_get_thread_num() * ctx_max);
         }
+        #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
+        for (long m = 0; m < M; m++)
+            attend_row(md, kc, vc, qkv + m * QKV, tables + m * nb, positions[m] + 1, att + m * qd,
+                       sc + omp_get_thread_num() * ctx_max);
         linear(att, md->o[l], md->o_b[l], o, M, qd, E, threads, par_min);
         lora(md, l, 1, &G[1], M, lora_pool, lora_slot, att, o, E, lh, lh_stride, threads, par_min);
         #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)

@@ -38,9 +38,9 @@ def test_flags_build_the_config(dev_model, service_archives, tmp_path, monkeypat
         service_archives.store_url, "--trust", str(service_archives.public_key), "--adapter-catalog",
         str(service_archives.catalog), "--slots", "3", "--ram-bytes", "1GiB", "--disk-bytes", "2GiB",
         "--disk-dir", str(tmp_path), "--kv-cache-bytes", "64MiB", "--rank-limit", "32", "--max-waiting", "9",
-        "--max-prefill-tokens", "1024"])
+        "--max-prefill-tokens", "1024", "--speculate", "0"])
     cfg = build_config(args)
-    assert cfg.limits.max_prefill_tokens == 1024
+    assert cfg.limits.max_prefill_tokens == 1024 and cfg.speculate == 0
     assert cfg.replica_id == "r7" and cfg.port == 8207 and cfg.admin_token == "tok"
     assert cfg.resolved_model_name() == dev_model.name and cfg.registry_url is None
     assert cfg.slots == 3 and cfg.ram_bytes == 1024**3 and cfg.disk_bytes == 2 * 1024**3
@@ -56,6 +56,7 @@ def test_flags_build_the_config(dev_model, service_archives, tmp_path, monkeypat
     fails("--adapter-catalog", str(service_archives.catalog), "--trust", str(service_archives.public_key))
     fails("--trust", str(tmp_path / "missing.pem"))
     fails("--max-prefill-tokens", "0")
+    fails("--speculate", "-1")
     with pytest.raises(CliError):
         build_config(build_parser().parse_args(["replica", "--base", str(tmp_path)]))
 

@@ -61,12 +61,15 @@ def _cancelled(srv) -> float:
 
 
 class _Holder:
-    """A long stream on adapter `aid` that holds the only slot from `start()` (its first token is
-    out) until `stop()` (its client leaves: the request is cancelled, the slot freed)."""
+    """A long stream on adapter `aid` that holds the only slot (and with `engine`, the only batch row:
+    the engine is paused) from `start()` (its first token is out) until `stop()` (its client leaves:
+    the request is cancelled, the slot freed)."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str, aid: str, max_tokens: int):
+    def __init__(self, http: httpx.AsyncClient, url: str, aid: str, max_tokens: int, engine=None):
         self.body = chat_body(aid, max_tokens=max_tokens, stream=True, ignore_eos=True)
         self.http, self.url = http, url
+        self.engine = engine
+        self._paused = False
         self._cm = None
         self.lines = None
 
@@ -77,8 +80,16 @@ class _Holder:
         self.lines = resp.aiter_lines()  # kept: a collected iterator would close the response
         while not _has_content(await anext(self.lines)):  # running: its first token is out
             pass
+        if self.engine is not None:
+            # the engine steps no further until stop(): the stream cannot end on its own, however fast
+            # the machine generates (600 tokens took 0.2 s here, two keep-alive intervals)
+            await asyncio.to_thread(self.engine._step_lock.acquire)
+            self._paused = True
 
     async def stop(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.engine._step_lock.release()
         if self._cm is not None:
             cm, self._cm = self._cm, None
             await cm.__aexit__(None, None, None)
@@ -96,7 +107,7 @@ async def test_stream_waiting_in_the_engine_queue_gets_keepalives_then_its_answe
     chunk) and gets `: keep-alive` comments while it waits; once A leaves, B's answer follows."""
     url = f"{busy_engine.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as http:
-        async with _Holder(http, url, "dev-tiny", max_tokens=600) as holder:
+        async with _Holder(http, url, "dev-tiny", max_tokens=600, engine=busy_engine.engine) as holder:
             body_b = chat_body("dev-tiny", max_tokens=8, stream=True, stream_options={"include_usage": True})
             async with http.stream("POST", url, json=body_b) as resp_b:
                 assert resp_b.status_code == 200
@@ -118,7 +129,7 @@ async def test_stream_waiting_for_a_slot_gets_keepalives_then_its_answer(lone_sl
     a, b = service_archives.good["c0000"], service_archives.good["c0001"]
     url = f"{lone_slot.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as http:
-        async with _Holder(http, url, a, max_tokens=600) as holder:
+        async with _Holder(http, url, a, max_tokens=600, engine=lone_slot.engine) as holder:
             async with http.stream("POST", url, json=chat_body(b, stream=True)) as resp_b:
                 assert resp_b.status_code == 200 and lone_slot.cache.refcount(a) == 1
                 lines_b = resp_b.aiter_lines()
@@ -139,7 +150,7 @@ async def test_overloaded_replica_sheds_before_accepting(busy_engine):
     done it is served."""
     url = f"{busy_engine.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as http:
-        async with _Holder(http, url, "dev-tiny", max_tokens=1500):
+        async with _Holder(http, url, "dev-tiny", max_tokens=1500, engine=busy_engine.engine):
             r = await http.post(url, json=chat_body("dev-tiny", max_tokens=16))
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"] == "1"
@@ -153,7 +164,7 @@ async def test_client_leaving_while_queued_in_the_engine_is_counted_cancelled(bu
     h = busy_engine.service.handler
     url = f"{busy_engine.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as http:
-        async with _Holder(http, url, "dev-tiny", max_tokens=600):
+        async with _Holder(http, url, "dev-tiny", max_tokens=600, engine=busy_engine.engine):
             before = _cancelled(busy_engine)
             task = asyncio.create_task(http.post(url, json=chat_body("dev-tiny", max_tokens=8)))
             assert await wait_until(lambda: busy_engine.engine.stats().waiting == 1, 30)
@@ -172,7 +183,7 @@ async def test_client_leaving_during_admission_is_counted_cancelled(lone_slot, s
     url = f"{lone_slot.url}/v1/chat/completions"
     h = lone_slot.service.handler
     async with httpx.AsyncClient(timeout=60) as http:
-        async with _Holder(http, url, a, max_tokens=600):
+        async with _Holder(http, url, a, max_tokens=600, engine=lone_slot.engine):
             before = _cancelled(lone_slot)
             waiting = h._waiting_for_adapter
             task = asyncio.create_task(http.post(url, json=chat_body(b)))

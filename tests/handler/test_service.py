@@ -460,3 +460,26 @@ async def test_prefix_cache_reports_cached_tokens_per_tenant(replica, service_ar
                if line.startswith("lorafarm_prefix_cache_queries_total")]
     assert hits and queries and 256 <= hits[0] < queries[0]
     assert "vllm:prefix_cache_hits_total" in text
+
+
+async def test_a_lone_greedy_stream_is_drafted_and_its_counters_are_exported(replica, client):
+    """One greedy request alone (the replica's default --speculate 1): its answer is the same streamed
+    or not, its usage counts every token, and /metrics counts the draft tokens checked and taken (no
+    more taken than checked), under vLLM's names too."""
+    async def counters() -> tuple[float, float]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            text = (await http.get(f"{replica.url}/metrics")).text
+        value = lambda name: sum(float(line.split()[-1]) for line in text.splitlines()  # noqa: E731
+                                 if line.startswith(name))
+        assert "vllm:spec_decode_num_draft_tokens_total" in text
+        return value("lorafarm_speculative_draft_tokens_total"), value("lorafarm_speculative_accepted_tokens_total")
+
+    drafted0, accepted0 = await counters()
+    ask = dict(model="dev-tiny", messages=[{"role": "user", "content": "say it again and again"}], max_tokens=60,
+               temperature=0, extra_body={"ignore_eos": True})
+    whole = await client.chat.completions.create(**ask)
+    parts = [c.choices[0].delta.content or "" async for c in await client.chat.completions.create(**ask, stream=True)
+             if c.choices]
+    assert "".join(parts) == whole.choices[0].message.content and whole.usage.completion_tokens == 60
+    drafted, accepted = await counters()
+    assert drafted > drafted0 and accepted0 <= accepted <= accepted0 + (drafted - drafted0)
