@@ -53,6 +53,7 @@ are not part of the text.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -94,6 +95,7 @@ __all__ = [
 ]
 
 DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
+C_PREFILL_TOKENS = 16  # prefill chunks of at most this many tokens run on the C decode step (Engine._c_step_takes)
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -724,8 +726,16 @@ class Engine:
                     slots = slots + [0] * (pad_to - len(slots))
 
                 def forward():
-                    if self.decode_step is not None and not prefill and len(seqs) <= DECODE_STEP_ROWS:
-                        return self.decode_step([(ids[0], start, table) for ids, start, table in seqs], slots)
+                    if self._c_step_takes(seqs, len(prefill)):
+                        # every token a row (a prefill chunk's rows at consecutive positions attend to
+                        # the K/V the rows before them write in the step); a sequence's logits are its
+                        # last row's
+                        rows = [(t, start + i, table) for ids, start, table in seqs for i, t in enumerate(ids)]
+                        logits = self.decode_step(rows, slots)
+                        if prefill:
+                            ends = list(itertools.accumulate(len(ids) for ids, _, _ in seqs))
+                            logits = logits[[e - 1 for e in ends]]
+                        return logits
                     batch = build_step_batch(seqs, self.kv.block_size, self.device, self.runner.windows,
                                              decode_from=len(prefill), pad_block=self.kv.null_block,
                                              decode_tables=self.decode_tables, buffers=self._buffers,
@@ -801,6 +811,15 @@ class Engine:
                 self._cond.notify_all()
         self._dispatch(events)
         return True
+
+    def _c_step_takes(self, seqs: list, prefilling: int) -> bool:
+        """Does the C decode step run this step? Decode rows (and drafts) up to its row limit, and
+        short prefill chunks beside them: a continuation after a prefix-cache hit (less than a block)
+        costs one C step instead of a torch forward (~9,000 ops); longer chunks keep the torch path,
+        whose products are matrix-matrix (and whose logits are the last token's only)."""
+        if self.decode_step is None or sum(len(ids) for ids, _, _ in seqs) > DECODE_STEP_ROWS:
+            return False
+        return all(len(ids) <= C_PREFILL_TOKENS for ids, _, _ in seqs[:prefilling])
 
     def _drafts(self, decode: list[_Request]) -> dict[str, list[int]]:
         """Draft tokens for this decode-only step (`handler.speculate`), request id -> tokens: while

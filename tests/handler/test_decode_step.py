@@ -163,3 +163,31 @@ def test_where_it_does_not_apply(dev_model, monkeypatch):
     assert Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=4, batch_invariant=True).decode_step is None
     monkeypatch.setenv("LORAFARM_DECODE_STEP", "0")
     assert Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=4).decode_step is None
+
+
+def test_short_prefill_chunks_run_on_the_c_step(dev_model, one_torch_thread):
+    """A prompt whose first blocks are in the prefix cache prefills only its tail, and a prompt of at most
+    C_PREFILL_TOKENS tokens prefills whole: both through the C step (its rows at consecutive positions),
+    with the greedy answer of the torch path; a longer chunk keeps the torch path."""
+    c_engine, _ = _engine(dev_model, prefix_cache=True, speculate=0)
+    torch_engine, _ = _engine(dev_model, decode_step=False)
+    shared = list(range(40, 80))  # 40 tokens: 2 full blocks cached after the first request
+    prompts = [shared, shared + [7, 9, 11, 13, 15], list(range(3, 3 + engine_module.C_PREFILL_TOKENS)),
+               list(range(100, 100 + engine_module.C_PREFILL_TOKENS + 1))]
+
+    def one(e: Engine, i: int, prompt: list[int]) -> tuple[list[int], int]:
+        out: list[int] = []
+        e.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), "a16",
+                      lambda ev: out.append(ev.token_id))
+        before = e.stats().decode_step_c
+        while e.step():
+            pass
+        return out, e.stats().decode_step_c - before
+
+    got = [one(c_engine, i, p) for i, p in enumerate(prompts)]
+    want = [one(torch_engine, i, p)[0] for i, p in enumerate(prompts)]
+    assert [tokens for tokens, _ in got] == want
+    assert c_engine.stats().prefix_cache_hits == 32  # the second prompt's 2 blocks
+    # the 40-token prompt on the torch path; the 13-token tail after the hit, and the short prompt, on C;
+    # one token more than C takes: torch
+    assert [steps for _, steps in got] == [0, 1, 1, 0]
