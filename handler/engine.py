@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
-C_PREFILL_TOKENS = 16  # prefill chunks of at most this many tokens run on the C decode step (Engine._c_step_takes)
+C_PREFILL_TOKENS = 16  # steps with prefill of at most this many rows in all run on the C decode step (Engine._c_step_takes)
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -813,13 +813,14 @@ class Engine:
         return True
 
     def _c_step_takes(self, seqs: list, prefilling: int) -> bool:
-        """Does the C decode step run this step? Decode rows (and drafts) up to its row limit, and
-        short prefill chunks beside them: a continuation after a prefix-cache hit (less than a block)
-        costs one C step instead of a torch forward (~9,000 ops); longer chunks keep the torch path,
-        whose products are matrix-matrix (and whose logits are the last token's only)."""
-        if self.decode_step is None or sum(len(ids) for ids, _, _ in seqs) > DECODE_STEP_ROWS:
-            return False
-        return all(len(ids) <= C_PREFILL_TOKENS for ids, _, _ in seqs[:prefilling])
+        """Does the C decode step run this step? Decode rows (and drafts) up to its row limit; with
+        prefill chunks, steps of at most C_PREFILL_TOKENS rows in all: a continuation after a
+        prefix-cache hit (less than a block) beside a few decode rows costs one C step instead of a
+        torch forward (~9,000 ops). Bigger prefill steps keep the torch path, which computes only
+        each sequence's last logits (the C step computes every row's: 32 continuations of a burst
+        would pay the LM head 32 times over)."""
+        rows = sum(len(ids) for ids, _, _ in seqs)
+        return self.decode_step is not None and rows <= (C_PREFILL_TOKENS if prefilling else DECODE_STEP_ROWS)
 
     def _drafts(self, decode: list[_Request]) -> dict[str, list[int]]:
         """Draft tokens for this decode-only step (`handler.speculate`), request id -> tokens: while

@@ -98,21 +98,27 @@ class GrammarCollector:
         yield from (compiles, failures, respawns, alive, cached)
 
 
-class SpeculationCollector:
-    """The engine's speculative decoding (handler.speculate), read at scrape time: draft tokens checked
-    and taken (acceptance = accepted / drafted), also under vLLM's names."""
+class _EngineStatsCollector:
+    """A collector of the handler's engine stats, read at scrape time (nothing before the engine exists)."""
 
     def __init__(self, handler, model_name: str):
         self._handler = handler
         self._model_name = model_name
 
+    def _stats(self):
+        engine = getattr(self._handler, "engine", None)
+        return None if engine is None else engine.stats()
+
+
+class SpeculationCollector(_EngineStatsCollector):
+    """The engine's speculative decoding (handler.speculate): draft tokens checked and taken
+    (acceptance = accepted / drafted), also under vLLM's names."""
+
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        engine = getattr(self._handler, "engine", None)
-        if engine is None:
+        if (st := self._stats()) is None:
             return
-        st = engine.stats()
         for ours, vllm, help_, value in (
                 ("lorafarm_speculative_draft_tokens", "vllm:spec_decode_num_draft_tokens",
                  "N-gram draft tokens checked in decode steps.", st.speculative_drafted),
@@ -126,22 +132,16 @@ class SpeculationCollector:
             yield m
 
 
-class PrefixCacheCollector:
-    """The engine's prefix cache, read at scrape time (handler.prefix_cache): queries and hits in prompt
-    tokens (vLLM's convention: hit rate = hits / queries), cached blocks and evictions; also under
-    vLLM's names so its dashboards apply."""
-
-    def __init__(self, handler, model_name: str):
-        self._handler = handler
-        self._model_name = model_name
+class PrefixCacheCollector(_EngineStatsCollector):
+    """The engine's prefix cache (handler.prefix_cache): queries and hits in prompt tokens (vLLM's
+    convention: hit rate = hits / queries), cached blocks and evictions; also under vLLM's names so
+    its dashboards apply."""
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        engine = getattr(self._handler, "engine", None)
-        if engine is None:
+        if (st := self._stats()) is None:
             return
-        st = engine.stats()
         for name, help_, value in (
                 ("lorafarm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.prefix_cache_queries),
                 ("lorafarm_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
