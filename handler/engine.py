@@ -361,7 +361,7 @@ class Engine:
 
         if speculate < 0 or speculate_max_rows < 1:
             raise ValueError("speculate must be >= 0 and speculate_max_rows >= 1")
-        self.speculate = int(speculate) if self.decode_step is not None else 0
+        self.speculate = int(speculate)
         self.speculate_max_rows = min(int(speculate_max_rows), DECODE_STEP_ROWS)
         self._drafted = 0
         self._draft_accepted = 0
@@ -714,10 +714,13 @@ class Engine:
                 drafts = self._drafts(decode) if not prefill else {}
                 seqs = [(r.ctx[r.prefilled : r.prefilled + n], r.prefilled, r.blocks) for r, n in prefill]
                 slots = [r.slot for r, n in prefill for _ in range(n)]
+                seq_reqs = [r for r, _ in prefill]  # the request of each entry of seqs
                 for r in decode:  # a drafted request: its last token and each draft token, a row each
                     p = len(r.prompt) + len(r.out) - 1
-                    seqs += [([t], p + i, r.blocks) for i, t in enumerate([r.out[-1], *drafts.get(r.id, ())])]
-                    slots += [r.slot] * (1 + len(drafts.get(r.id, ())))
+                    toks = [r.out[-1], *drafts.get(r.id, ())]
+                    seqs += [([t], p + i, r.blocks) for i, t in enumerate(toks)]
+                    slots += [r.slot] * len(toks)
+                    seq_reqs += [r] * len(toks)
                 batch_reqs = [r for r, _ in prefill] + decode
                 self._in_forward = {r.id for r in batch_reqs}
             try:
@@ -761,8 +764,7 @@ class Engine:
                 # prompt is complete
                 pick = [i for i, (r, n) in enumerate(prefill) if r.prefilled + n == len(r.ctx)]
                 pick += range(len(prefill), len(seqs))
-                sreqs = [r for r, n in prefill if r.prefilled + n == len(r.ctx)]
-                sreqs += [r for r in decode for _ in range(1 + len(drafts.get(r.id, ())))]
+                sreqs = [seq_reqs[i] for i in pick]
                 tokens = []
                 if pick:
                     if pick == list(range(pick[0], pick[0] + len(pick))):
@@ -826,8 +828,9 @@ class Engine:
         """Draft tokens for this decode-only step (`handler.speculate`), request id -> tokens: while
         the step's rows stay within speculate_max_rows, for requests whose next token is the argmax
         alone, no further than their max_tokens and max_context allow, on blocks they hold or the
-        pool has free (a draft never preempts anyone)."""
-        if not self.speculate or len(decode) >= self.speculate_max_rows:
+        pool has free (a draft never preempts anyone). Only on the C decode step, which writes every
+        row's K/V before any row attends (none once set_attention has turned it off)."""
+        if not self.speculate or self.decode_step is None or len(decode) >= self.speculate_max_rows:
             return {}
         out: dict[str, list[int]] = {}
         spare = self.speculate_max_rows - len(decode)
