@@ -183,7 +183,7 @@ class _Mounted:
 class _Request:
     __slots__ = (
         "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled", "ctx",
-        "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop", "salt", "hashes",
+        "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop", "salt", "root", "hashes",
         "published", "cached", "admitted", "ngrams",
     )
 
@@ -202,6 +202,7 @@ class _Request:
         self.arrival = time.monotonic()
         self.max_stop = max((len(s) for s in params.stop), default=0)
         self.salt = salt  # the prefix cache's tenant salt
+        self.root: bytes | None = None  # the chain's root: base, adapter and tenant (prefix cache)
         self.hashes: list[bytes] | None = None  # chain hashes of ctx's full blocks (prefix cache)
         self.published = 0  # leading blocks of `blocks` already named in the prefix cache
         self.cached = 0  # prompt tokens taken from the prefix cache at first admission
@@ -865,8 +866,8 @@ class Engine:
             hit: list[int] = []
             if self.kv.prefix_cache:
                 if req.hashes is None:
-                    root = chain_root(self.cache_key, req.adapter_id, req.salt)
-                    req.hashes = chain_hashes(req.ctx, bs, root)
+                    req.root = chain_root(self.cache_key, req.adapter_id, req.salt)
+                    req.hashes = chain_hashes(req.ctx, bs, req.root)
                 # full blocks only, and never the whole context: its last token is prefilled here,
                 # for the logits of the next token and so that no shared block is ever written
                 # (batch-invariant: whole prefill chunks only, so the rest is cut as without a hit)
@@ -881,13 +882,18 @@ class Engine:
                     self.kv.free(hit)
                     self._deferred += 1
                     break
+            head = self._match_head(req, len(hit))
             blocks = self.kv.allocate(need, have=len(hit))
             if blocks is None:
-                self.kv.free(hit)
+                self.kv.free(hit + list(head[:1]))
                 break  # the cache is full: wait for a request to finish (first come, first served)
             self._waiting.popleft()
             req.blocks = hit + blocks
             req.published, req.prefilled = len(hit), len(hit) * bs
+            if head:  # the first tokens of its next block, from a cached sibling: copied, then let go
+                self.kv.copy_head(head[0], blocks[0], head[1])
+                self.kv.free([head[0]])
+                req.prefilled += head[1]
             if not req.admitted:  # a recompute after preemption is not a new lookup
                 req.admitted = True
                 req.cached = req.prefilled
@@ -898,13 +904,27 @@ class Engine:
             if pending is not None and req.hashes:
                 pending.update(req.hashes[req.published :])
 
+    def _match_head(self, req: _Request, hit: int) -> tuple[int, int] | tuple[()]:
+        """(cached block, n) whose first n tokens are the next n of the request's context after its
+        `hit` full cached blocks (a template's system prompt ends mid-block and the user's text
+        follows: the sibling blocks of earlier requests share its head), or () where none does.
+        Never the whole rest of the context (its last token is prefilled here); never in
+        batch-invariant mode (a hit covers whole prefill chunks there)."""
+        if not self.kv.prefix_cache or self.batch_invariant or req.hashes is None:
+            return ()
+        bs, start = self.kv.block_size, hit * self.kv.block_size
+        parent = req.hashes[hit - 1] if hit else req.root
+        return self.kv.match_head(parent, req.ctx[start : min(start + bs, len(req.ctx) - 1)]) or ()
+
     def _publish(self, r: _Request) -> None:
-        """Name the full blocks this request's prefill has now written (prefix cache)."""
+        """Name the full blocks this request's prefill has now written (prefix cache), each with its
+        parent's hash and its tokens so that a later request can also share its head."""
         if r.hashes is None or r.blocks is None:
             return
-        upto = min(r.prefilled // self.kv.block_size, len(r.hashes))
+        bs = self.kv.block_size
+        upto = min(r.prefilled // bs, len(r.hashes))
         for i in range(r.published, upto):
-            self.kv.publish(r.blocks[i], r.hashes[i])
+            self.kv.publish(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else r.root, r.ctx[i * bs : (i + 1) * bs])
         r.published = max(r.published, upto)
 
     def _grow_decode_blocks(self) -> None:

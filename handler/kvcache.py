@@ -141,9 +141,20 @@ class KVCache:
         with self._lock:
             return self.pool.match(hashes, multiple)
 
-    def publish(self, block: int, h: bytes) -> bool:
+    def match_head(self, parent: bytes, tokens: list[int]) -> tuple[int, int] | None:
+        """A cached block sharing the first n of `tokens` under chain hash `parent`, referenced (see
+        `BlockPool.match_head`): copy its head with `copy_head`, then `free` it."""
         with self._lock:
-            return self.pool.publish(block, h)
+            return self.pool.match_head(parent, tokens)
+
+    def publish(self, block: int, h: bytes, parent: bytes | None = None, tokens: list[int] = ()) -> bool:
+        with self._lock:
+            return self.pool.publish(block, h, parent, tokens)
+
+    def copy_head(self, src: int, dst: int, n: int) -> None:
+        """K and V of the first `n` positions of block `src` into block `dst`, every layer."""
+        self.k[:, dst, :n] = self.k[:, src, :n]
+        self.v[:, dst, :n] = self.v[:, src, :n]
 
     def usage(self) -> float:
         """Fraction of blocks held by requests, 0.0 to 1.0 (cached blocks nobody holds are free)."""

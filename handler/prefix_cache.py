@@ -19,15 +19,23 @@ Every block is in exactly one of three states:
 - cached: no reference, but it holds a published full block (`publish`), kept in an LRU so a later
   request with the same chain hash can take it (`match`) instead of prefilling it again.
 
+A request whose next block is not cached may still share its first tokens with a cached block
+under the same parent (a chat template's system prompt ends mid-block, and each user's text follows
+it): `match_head` finds the published sibling with the longest common token prefix, and the
+caller copies those tokens' K and V into the request's own fresh block (copy on write, as SGLang's
+token-granular radix cache shares them) instead of computing them again. Siblings are kept sorted
+by their tokens, so the longest common prefix is one of the two beside the query's place.
+
 Allocation (`take`) uses free blocks first, then evicts the least recently released cached blocks;
 a block with a reference is never evicted, and a block is only ever written by the request that
-took it fresh (a match returns full blocks only, and a request always prefills at least its last
-token itself), so a shared block is never overwritten. Pure Python: no tensors here; the caller
+took it fresh (a match returns full blocks only, a head match is copied out of its block, and a
+request always prefills at least its last token itself), so a shared block is never overwritten. Pure Python: no tensors here; the caller
 (`handler.kvcache.KVCache`) zeroes the blocks this pool says were recycled.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
 from array import array
@@ -66,6 +74,8 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # published block -> its chain hash
         self._block_of: dict[bytes, int] = {}  # chain hash -> the block that holds it
+        self._sibling_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # published block -> (parent, tokens)
+        self._children: dict[bytes, list[tuple[tuple[int, ...], int]]] = {}  # parent -> sorted (tokens, block)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, oldest first
         self.evictions = 0
 
@@ -96,7 +106,7 @@ class BlockPool:
                 b = self._free.pop()
             else:
                 b, _ = self._lru.popitem(last=False)
-                del self._block_of[self._hash_of.pop(b)]
+                self._forget(b)
                 self.evictions += 1
                 recycled.append(b)
             self.refs[b] = 1
@@ -123,6 +133,20 @@ class BlockPool:
         return freed
 
     # -- the cache
+    def _forget(self, b: int) -> None:
+        del self._block_of[self._hash_of.pop(b)]
+        sib = self._sibling_of.pop(b, None)
+        if sib is not None:
+            kids = self._children[sib[0]]
+            del kids[bisect.bisect_left(kids, (sib[1], b))]
+            if not kids:
+                del self._children[sib[0]]
+
+    def _ref(self, b: int) -> None:
+        if self.refs[b] == 0:
+            del self._lru[b]
+        self.refs[b] += 1
+
     def match(self, hashes: Sequence[bytes], multiple: int = 1) -> list[int]:
         """The blocks of the longest cached prefix of `hashes` whose length is a multiple of
         `multiple`, each referenced once more (so they can no longer be evicted). Release them like
@@ -132,20 +156,44 @@ class BlockPool:
             n += 1
         out = [self._block_of[h] for h in hashes[: n - n % multiple]]
         for b in out:
-            if self.refs[b] == 0:
-                del self._lru[b]
-            self.refs[b] += 1
+            self._ref(b)
         return out
 
-    def publish(self, block: int, h: bytes) -> bool:
+    def match_head(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(block, n): the published block under chain hash `parent` whose first n tokens equal the
+        first n of `tokens`, n as large as any such block has it (at most len(tokens)), referenced
+        once more like `match`'s blocks; None when no block shares a first token."""
+        kids = self._children.get(parent)
+        if not kids or not tokens:
+            return None
+        q = tuple(tokens)
+        i = bisect.bisect_left(kids, (q,))
+        best, n = -1, 0
+        for t, b in kids[max(0, i - 1) : i + 1]:  # sorted: the longest common prefix is a neighbour
+            k = 0
+            while k < len(q) and k < len(t) and t[k] == q[k]:
+                k += 1
+            if k > n:
+                best, n = b, k
+        if not n:
+            return None
+        self._ref(best)
+        return best, n
+
+    def publish(self, block: int, h: bytes, parent: bytes | None = None, tokens: Sequence[int] = ()) -> bool:
         """Name a full, written block held by its writer by its chain hash, so that it is cached
         when released. False when caching is off, the block is already named, or another block
         already holds this hash (two requests prefilled the same prefix at once: the first keeps it,
-        the second block is freed as usual)."""
+        the second block is freed as usual). With its `parent` chain hash and its `tokens`, its head
+        can be matched too (`match_head`)."""
         if not self.caching or block in self._hash_of or h in self._block_of:
             return False
         if self.refs[block] <= 0:
             raise RuntimeError(f"KV block {block} published without a reference")
         self._hash_of[block] = h
         self._block_of[h] = block
+        if parent is not None and tokens:
+            sib = (parent, tuple(tokens))
+            self._sibling_of[block] = sib
+            bisect.insort(self._children.setdefault(parent, []), (sib[1], block))
         return True

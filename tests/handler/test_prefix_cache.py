@@ -65,6 +65,32 @@ def test_pool_rules():
     assert not off.publish(b[0], b"x") and off.release(b) == b and off.cached == 0
 
 
+def test_pool_head_match_takes_the_sibling_with_the_longest_common_first_tokens():
+    p = BlockPool(6)
+    blocks, _ = p.take(5)
+    kids = {(1, 2, 3, 4): blocks[0], (1, 2, 7, 7): blocks[1], (1, 5, 0, 0): blocks[2], (9, 9, 9, 9): blocks[3]}
+    for i, (toks, b) in enumerate(kids.items()):
+        assert p.publish(b, bytes([i]), b"parent", toks)
+    assert p.publish(blocks[4], b"other", b"elsewhere", (1, 2, 3, 4))
+    assert p.match_head(b"parent", [1, 2, 3, 8]) == (blocks[0], 3)
+    assert p.match_head(b"parent", [1, 2, 7]) == (blocks[1], 3)  # at most the tokens asked for
+    one = p.match_head(b"parent", [1, 3])
+    assert one in ((blocks[0], 1), (blocks[1], 1), (blocks[2], 1))
+    assert p.match_head(b"parent", [2, 2]) is None and p.match_head(b"parent", []) is None
+    assert p.match_head(b"nobody", [1, 2]) is None  # only blocks under the same parent chain
+    held = [blocks[0], blocks[1], one[0]]
+    assert [p.refs[b] for b in blocks] == [1 + held.count(b) for b in blocks]  # a reference, like match's
+    p.release(held)
+    p.release(blocks)  # all cached now, least recently released first: blocks[0]
+    assert p.match_head(b"parent", [9, 9, 1]) == (blocks[3], 2)  # a cached block nobody holds: taken off the LRU
+    got, recycled = p.take(2)  # the free block, then the least recently released: evicted and forgotten
+    assert recycled == [blocks[0]] and p.match_head(b"parent", [1, 2, 3, 4]) == (blocks[1], 2)
+    p.release([blocks[3], blocks[1]])
+    off = BlockPool(2, caching=False)
+    b, _ = off.take(1)
+    assert not off.publish(b[0], b"x", b"parent", (1, 2)) and off.match_head(b"parent", [1, 2]) is None
+
+
 def test_chain_hashes_name_every_token_before_and_the_weights():
     toks = list(range(50))
     root = chain_root("base", "ad-1", "tenant-a")
@@ -211,6 +237,46 @@ def test_cache_hits_give_the_tokens_and_logprobs_of_no_cache(dev_model, few_cana
     st = e.stats()
     assert st.prefix_cache_hits > 0 and st.prefix_cache_queries == 2 * sum(len(ids) for _, ids, _ in jobs)
     assert st.kv_cache_usage == 0.0 and sum(e.kv.pool.refs) == 0
+
+
+def test_a_prompt_sharing_part_of_a_block_copies_those_tokens(dev_model, few_canaries):
+    """A prompt that shares 37 tokens with a cached one (2 full blocks and 5 tokens of the third, as a
+    chat template's system prompt ends mid-block) takes the blocks and copies the 5 tokens' K and V
+    from the cached block into its own, which stays unwritten by it; a prompt equal to the first 40
+    tokens prefills only its last. Tokens and logprobs equal the no-cache run's; another adapter or
+    tenant shares nothing."""
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(5, 400, (50,), generator=g).tolist()
+    second = first[:37] + torch.randint(5, 400, (8,), generator=g).tolist()
+    second[37] = 5 + (first[37] - 4) % 395  # differs from the 38th token on
+    short = first[:40]
+    jobs = [("first", first, "c0000"), ("second", second, "c0000"), ("short", short, "c0000"),
+            ("other-adapter", second, "c0004"), ("no-adapter", second, None)]
+    ref = run(build(dev_model, few_canaries, False), jobs)
+    e = build(dev_model, few_canaries, True)
+    got = run(e, jobs[:1], check=True)
+    src = e.kv.pool._block_of[chain_hashes(first, 16, chain_root(e.cache_key, "c0000", None))[2]]  # noqa: SLF001
+    src_k = e.kv.k[:, src].clone()
+    col = Collector()
+    e.add_request("second", second, GREEDY, "c0000", col)
+    e.step()
+    blocks = e._requests["second"].blocks  # noqa: SLF001
+    assert src not in blocks and torch.equal(e.kv.k[:, blocks[2], :5], src_k[:, :5])
+    while e.step():
+        check_references(e)
+    assert torch.equal(e.kv.k[:, src], src_k)  # the cached block was copied from, never written
+    got.events.update(col.events)
+    got.events.update(run(e, jobs[2:3], check=True).events)
+    got.events.update(run(e, jobs[3:4], check=True).events)
+    got.events.update(run(e, jobs[4:], salt="tenant-b", check=True).events)
+    cached = {rid: got.final(rid).cached_tokens for rid, _, _ in jobs}
+    assert cached == {"first": 0, "second": 37, "short": 39, "other-adapter": 0, "no-adapter": 0}
+    for rid, _, _ in jobs:
+        assert got.tokens(rid) == ref.tokens(rid), rid
+        lp = [ev.logprobs[0] for ev in got.events[rid] if ev.logprobs]
+        lp_ref = [ev.logprobs[0] for ev in ref.events[rid] if ev.logprobs]
+        assert torch.allclose(torch.tensor(lp), torch.tensor(lp_ref), atol=1e-4), rid
+    assert e.stats().prefix_cache_hits == 37 + 39 and sum(e.kv.pool.refs) == 0
 
 
 def test_batch_invariant_mode_hits_are_bitwise_equal(dev_model, few_canaries, shared_prompts):
