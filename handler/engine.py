@@ -924,7 +924,8 @@ class Engine:
         bs = self.kv.block_size
         upto = min(r.prefilled // bs, len(r.hashes))
         for i in range(r.published, upto):
-            self.kv.publish(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else r.root, r.ctx[i * bs : (i + 1) * bs])
+            parent = r.hashes[i - 1] if i else r.root
+            self.kv.publish(r.blocks[i], r.hashes[i], parent, r.ctx[i * bs : (i + 1) * bs])
         r.published = max(r.published, upto)
 
     def _grow_decode_blocks(self) -> None:

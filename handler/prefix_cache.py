@@ -29,8 +29,9 @@ by their tokens, so the longest common prefix is one of the two beside the query
 Allocation (`take`) uses free blocks first, then evicts the least recently released cached blocks;
 a block with a reference is never evicted, and a block is only ever written by the request that
 took it fresh (a match returns full blocks only, a head match is copied out of its block, and a
-request always prefills at least its last token itself), so a shared block is never overwritten. Pure Python: no tensors here; the caller
-(`handler.kvcache.KVCache`) zeroes the blocks this pool says were recycled.
+request always prefills at least its last token itself), so a shared block is never overwritten.
+Pure Python: no tensors here; the caller (`handler.kvcache.KVCache`) zeroes the blocks this pool
+says were recycled.
 """
 
 from __future__ import annotations
