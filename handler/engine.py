@@ -882,18 +882,19 @@ class Engine:
                     self.kv.free(hit)
                     self._deferred += 1
                     break
-            head = self._match_head(req, len(hit))
+            head = self._match_head(req, len(hit))  # referenced, so the allocation cannot evict it
             blocks = self.kv.allocate(need, have=len(hit))
             if blocks is None:
-                self.kv.free(hit + list(head[:1]))
+                self.kv.free(hit + ([head[0]] if head else []))
                 break  # the cache is full: wait for a request to finish (first come, first served)
             self._waiting.popleft()
             req.blocks = hit + blocks
             req.published, req.prefilled = len(hit), len(hit) * bs
             if head:  # the first tokens of its next block, from a cached sibling: copied, then let go
-                self.kv.copy_head(head[0], blocks[0], head[1])
-                self.kv.free([head[0]])
-                req.prefilled += head[1]
+                src, n = head
+                self.kv.copy_head(src, blocks[0], n)
+                self.kv.free([src])
+                req.prefilled += n
             if not req.admitted:  # a recompute after preemption is not a new lookup
                 req.admitted = True
                 req.cached = req.prefilled
@@ -904,17 +905,17 @@ class Engine:
             if pending is not None and req.hashes:
                 pending.update(req.hashes[req.published :])
 
-    def _match_head(self, req: _Request, hit: int) -> tuple[int, int] | tuple[()]:
+    def _match_head(self, req: _Request, hit: int) -> tuple[int, int] | None:
         """(cached block, n) whose first n tokens are the next n of the request's context after its
         `hit` full cached blocks (a template's system prompt ends mid-block and the user's text
-        follows: the sibling blocks of earlier requests share its head), or () where none does.
-        Never the whole rest of the context (its last token is prefilled here); never in
-        batch-invariant mode (a hit covers whole prefill chunks there)."""
-        if not self.kv.prefix_cache or self.batch_invariant or req.hashes is None:
-            return ()
+        follows: the sibling blocks of earlier requests share its head), or None where none does or
+        the prefix cache is off (no hashes). Never the whole rest of the context (its last token is
+        prefilled here); never in batch-invariant mode (a hit covers whole prefill chunks there)."""
+        if self.batch_invariant or req.hashes is None:
+            return None
         bs, start = self.kv.block_size, hit * self.kv.block_size
         parent = req.hashes[hit - 1] if hit else req.root
-        return self.kv.match_head(parent, req.ctx[start : min(start + bs, len(req.ctx) - 1)]) or ()
+        return self.kv.match_head(parent, req.ctx[start : min(start + bs, len(req.ctx) - 1)])
 
     def _publish(self, r: _Request) -> None:
         """Name the full blocks this request's prefill has now written (prefix cache), each with its

@@ -359,7 +359,8 @@ class LoraHandler:
         kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
                                   rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens,
                                   attention=context.attention, compile=context.compile,
-                                  batch_invariant=context.batch_invariant, prefix_cache=context.prefix_cache, speculate=context.speculate,
+                                  batch_invariant=context.batch_invariant, prefix_cache=context.prefix_cache,
+                                  speculate=context.speculate,
                                   cache_key=self.base_model_hash)
         if context.kv_cache_bytes:
             kw["kv_cache_bytes"] = context.kv_cache_bytes

@@ -19,6 +19,7 @@ cached prefix of its prompt, shared by reference, and `publish` names a block on
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import torch
 
@@ -141,13 +142,13 @@ class KVCache:
         with self._lock:
             return self.pool.match(hashes, multiple)
 
-    def match_head(self, parent: bytes, tokens: list[int]) -> tuple[int, int] | None:
+    def match_head(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
         """A cached block sharing the first n of `tokens` under chain hash `parent`, referenced (see
         `BlockPool.match_head`): copy its head with `copy_head`, then `free` it."""
         with self._lock:
             return self.pool.match_head(parent, tokens)
 
-    def publish(self, block: int, h: bytes, parent: bytes | None = None, tokens: list[int] = ()) -> bool:
+    def publish(self, block: int, h: bytes, parent: bytes | None = None, tokens: Sequence[int] = ()) -> bool:
         with self._lock:
             return self.pool.publish(block, h, parent, tokens)
 
