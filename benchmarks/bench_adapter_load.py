@@ -1,9 +1,9 @@
 """Adapter load latency per tier through the replica's real cache code, at the seed's adapter size.
 
 The adapter has the seed's shapes: a 7B Llama (32 layers, hidden 4096, MLP 11008), rank 16 on all
-seven projections, bfloat16: 39,976,960 values, 80 MB. The "slot" is a real `handler.lora.ModelLoRA`
+seven projections, bfloat16: 39,976,960 values, 80 MB. The "slot" is a real `handler.model.lora.ModelLoRA`
 stack of those shapes (one rank-16 slot) behind a minimal engine facade, so no 14 GB base is needed;
-`handler.cache.AdapterCache` runs exactly as in a replica:
+`handler.adapters.cache.AdapterCache` runs exactly as in a replica:
 
 - ram -> slot: verified tensors in host RAM copied into the slot stack (`mount_adapter`);
 - disk -> slot: safetensors read from the verified, extracted folder, shape check, copy into the slot;
@@ -30,9 +30,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from handler.cache import AdapterCache, CatalogSource, module_shapes
-from handler.lora import ModelLoRA, SlotImage
-from handler.model import ModelConfig
+from handler.adapters.cache import AdapterCache, CatalogSource, module_shapes
+from handler.model.lora import ModelLoRA, SlotImage
+from handler.model.runner import ModelConfig
 
 RANK = 16
 ALPHA = 32
@@ -258,8 +258,8 @@ def test_tpot_while_cold_adapters_load(benchmark, setup, load_report):
     import threading
     import time
 
-    from handler.engine import Engine
-    from handler.sampling import SamplingParams
+    from handler.engine.engine import Engine
+    from handler.engine.sampling import SamplingParams
 
     cache_dir = Path(os.environ.get("LORAFARM_CACHE_DIR", ".cache/lorafarm")) / "devmodel-small-s0"
     if not cache_dir.exists():

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handler.engine import Engine, SamplingParams
+from handler.engine.engine import Engine, SamplingParams
 
 SUITE = "engine"
 BATCH, PROMPT, NEW, RANK, ALPHA = 32, 64, 64, 16, 32

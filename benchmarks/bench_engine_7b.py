@@ -10,7 +10,7 @@
 * long row: the small dev model, 32 decode rows of 64-token contexts vs the same with one row at
   1,088 tokens; and that step with the rows padded to the longest in one group (the old layout).
 Every variant runs with the gathered decode attention (bucketed rows, blocks copied out) and the
-main ones also with the paged kernel (`handler.paged_attention`, read in place: "-paged") and with
+main ones also with the paged kernel (`handler.model.paged_attention`, read in place: "-paged") and with
 the torch.compile'd layer pieces (`Runner.compile`: "-compiled"; compile time is not timed). Block
 tables are scattered over the cache, as a long-running cache leaves them.
 
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_engine import ALPHA, BATCH, CACHE, MODULES, RANK, _small_model
-from handler.kvcache import KVCache
-from handler.lora import ModelLoRA
-from handler.model import Runner, build_step_batch
-from handler.paged_attention import DecodeTables
+from handler.model.kvcache import KVCache
+from handler.model.lora import ModelLoRA
+from handler.model.runner import Runner, build_step_batch
+from handler.model.paged_attention import DecodeTables
 
 SUITE = "engine_7b"
 CTX, SLOTS = 64, 64
@@ -190,7 +190,7 @@ def test_engine_7b_shaped_scattered(benchmark, bench_report):
 
 def test_engine_long_row(benchmark, bench_report):
     """One 1,088-token row among 31 of 64 tokens vs all 64: buckets vs one group padded to the longest."""
-    import handler.model as model_mod
+    import handler.model.runner as model_mod
 
     device = bench_report.device
     dtype = _dtype(device)

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.conftest import stats_of
-from handler.lora import ModelLoRA, MultiLoRALinear
-from handler.model import ModelConfig
+from handler.model.lora import ModelLoRA, MultiLoRALinear
+from handler.model.runner import ModelConfig
 
 SUITE = "lora_layer"
 K, RANK, ROWS, SLOTS, ADAPTERS = 4096, 16, 32, 64, 32

@@ -1,4 +1,4 @@
-"""The prefix cache (handler.prefix_cache): what a cached system prompt saves, with and without it in
+"""The prefix cache (handler.model.prefix_cache): what a cached system prompt saves, with and without it in
 the same run (interleaved rounds, shuffled order; figures go to the engine suite).
 
 * TTFT of a request whose 1,000-token system prompt is cached vs not, on an adapter (rank 16, all
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from benchmarks.bench_engine import ALPHA, MODULES, RANK, SUITE, _adapters, _small_model, _sync
-from handler.engine import Engine, SamplingParams
+from handler.engine.engine import Engine, SamplingParams
 
 ROUNDS = int(os.environ.get("LORAFARM_BENCH_PREFIX_ROUNDS", "8"))
 SYSTEM, QUESTION = 1000, 24

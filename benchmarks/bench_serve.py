@@ -94,8 +94,8 @@ async def _round(base_url: str, model: str, prompts: list[str]) -> dict:
 
 
 def _kv_bytes_per_token(model) -> int:
-    from handler.kvcache import KVCache
-    from handler.model import ModelConfig, load_hf_config
+    from handler.model.kvcache import KVCache
+    from handler.model.runner import ModelConfig, load_hf_config
 
     import torch
 

@@ -1,6 +1,6 @@
-"""CPU decode steps four ways, in the same run: the C decode step (handler/decode_step.py) with
+"""CPU decode steps four ways, in the same run: the C decode step (handler/model/decode_step.py) with
 threads on the LM head only (the default) and on every product (LORAFARM_PARALLEL_PRODUCTS=all), and
-the torch forward with the small-M kernel (handler/small_gemm.py) or with MKL's F.linear.
+the torch forward with the small-M kernel (handler/model/small_gemm.py) or with MKL's F.linear.
 
 Decode steps of 1, 4 and 8 requests on the real model (SmolLM2-135M-Instruct, float32; skipped where
 the package registry cannot be reached), each request on its own rank-16 adapter (all seven
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from benchmarks.bench_engine import ALPHA, MODULES, RANK, SUITE, _adapters
-from handler import small_gemm
-from handler.engine import Engine, SamplingParams
+from handler.model import small_gemm
+from handler.engine.engine import Engine, SamplingParams
 
 ROUNDS = int(os.environ.get("LORAFARM_BENCH_SMALL_GEMM_ROUNDS", "6"))
 ROWS = (1, 4, 8)

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from handler.engine import Engine, SamplingParams
-from handler.lora import ModelLoRA, read_peft_adapter
-from handler.model import Runner
+from handler.engine.engine import Engine, SamplingParams
+from handler.model.lora import ModelLoRA, read_peft_adapter
+from handler.model.runner import Runner
 from lorafarm.dev.adapters import random_prompts, write_dev_adapters
 from lorafarm.dev.model import write_dev_model
 
@@ -106,8 +106,8 @@ from pathlib import Path
 
 import torch
 
-from handler import paged_attention
-from handler.engine import Engine, SamplingParams
+from handler.model import paged_attention
+from handler.engine.engine import Engine, SamplingParams
 
 ok = True
 for dtype, shape in ((torch.float32, (4, 2, 32)), (torch.bfloat16, (32, 32, 128)), (torch.bfloat16, (32, 8, 128))):
@@ -156,7 +156,7 @@ from safetensors.torch import save_file
 
 from benchmarks.bench_engine import _small_model
 from benchmarks.bench_engine_7b import ALPHA, BATCH, MODULES, RANK, random_adapter, seven_b_shaped
-from handler.model import ModelConfig, load_hf_config
+from handler.model.runner import ModelConfig, load_hf_config
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 
@@ -195,7 +195,7 @@ python - <<'EOF'
 import tempfile, time, torch
 from pathlib import Path
 from sentence_transformers import SentenceTransformer
-from handler.embed import Encoder
+from handler.embed.model import Encoder
 from lorafarm.dev.embedding import write_dev_embedding_model
 folder = write_dev_embedding_model(Path(tempfile.mkdtemp()) / "e", size="small")
 texts = [f"ticket {i}: where is my order " * (1 + i % 4) for i in range(32)]
@@ -212,9 +212,9 @@ EOF
 python - <<'EOF'
 import time, torch
 from benchmarks.bench_adapter_load import BASE_CONFIG, MODULES, RANK, ALPHA, VALUES
-from handler.cache import module_shapes
-from handler.lora import ModelLoRA
-from handler.model import ModelConfig
+from handler.adapters.cache import module_shapes
+from handler.model.lora import ModelLoRA
+from handler.model.runner import ModelConfig
 cfg = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
                   num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096)
 lora = ModelLoRA(cfg, {RANK: 1}, torch.bfloat16, torch.device("cuda"))
@@ -243,7 +243,7 @@ print(f"cuda RAM -> slot {ram * 1e3:.2f} ms, pinned H2D copy {h2d * 1e3:.2f} ms:
 # a plain read of the same file into pinned memory plus one H2D copy
 import os, tempfile
 from pathlib import Path
-from handler.cache import open_slot_image, save_slot_image
+from handler.adapters.cache import open_slot_image, save_slot_image
 path = Path(tempfile.mkdtemp()) / "slot-image.safetensors"; save_slot_image(img, path)
 def disk_mount():
     f_img = open_slot_image(path)

@@ -48,7 +48,7 @@ def embeddings(tmp: Path, size: str, rounds: int) -> dict:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from handler.embed import Encoder
+    from handler.embed.model import Encoder
     from lorafarm.dev.embedding import write_dev_embedding_model
     from lorafarm.farm import _free_port
 

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         f"{time.perf_counter() - t_start:.0f} s.",
         "",
         "The simulator (`lorafarm simulate`, loadtests/simulate.py) runs the router's own `ReplicaView` and",
-        "`choose()` over replica states polled every second, each replica's own `handler.slots.SlotPolicy`,",
+        "`choose()` over replica states polled every second, each replica's own `handler.adapters.slots.SlotPolicy`,",
         "and the registry's owner-count rule; prefill, decode and adapter loads are modelled with the seed's",
         f"figures: decode step {c['decode_step_s'] * 1000:.0f} ms for up to {c['max_batch']} rows (640 tok/s "
         f"per replica), prefill {c['prefill_tokens_per_s']:,.0f} tok/s, loads RAM {c['load_s']['ram'] * 1000:.0f} ms /"

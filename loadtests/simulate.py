@@ -4,7 +4,7 @@ What is real and what is modelled:
 - Routing is the router's own code: a `router.view.ReplicaView` fed with the routing table and each
   replica's `ReplicaState` every `poll_s` (as its poll loop does), its `acquire`/`release` of the
   router's own in-flight estimate, and `router.routing.choose()` over its `snapshot()`.
-- Each replica's cache is the replica's own `handler.slots.SlotPolicy` (LRU over idle adapters,
+- Each replica's cache is the replica's own `handler.adapters.slots.SlotPolicy` (LRU over idle adapters,
   reference counts, RAM/disk byte budgets), driven through `acquire` / `on_loaded` / `release`.
 - Owner counts follow the registry's rule (`registry.placement.add_window` + `owner_count`, with the
   registry's default settings) from the same per-adapter token counts the router pushes every
@@ -45,7 +45,7 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import simpy
 
-from handler.slots import SlotPolicy
+from handler.adapters.slots import SlotPolicy
 from loadtests.workload import _lognormal_int, zipf_weights
 from lorafarm import capacity as cap
 from lorafarm.schemas import HeldAdapter, ReplicaState

@@ -15,7 +15,7 @@ COMMAND_MODULES = [
     "lorafarm.dev.cli",
     "lorafarm.realmodel",
     "archives.cli",
-    "handler.cli",
+    "handler.serving.cli",
     "registry.cli",
     "lorafarm.farm_cli",
     "loadtests.cli",

@@ -767,7 +767,7 @@ def _internal_error_handler(request: Request, exc: Exception) -> Response:
 
 
 def _OPENAPI_BODIES() -> dict:
-    from handler.openai_schemas import ChatCompletionRequest, CompletionRequest  # the shapes forwarded
+    from lorafarm.openai_schemas import ChatCompletionRequest, CompletionRequest  # the shapes forwarded
 
     return {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from handler.speculate import SPECULATE_TOKENS
+from handler.engine.speculate import SPECULATE_TOKENS
 from lorafarm.errors import CliError
 
 NAMES = {"ours": "ours", "vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers serve"}
@@ -267,7 +267,7 @@ def render(data: dict, to: Path, results: Path, notes: str | None = None) -> Pat
         ours = ("ours off (`--speculate 0`)" if n == 0 else
                 f"ours {'at its default' if not spec else 'with'} `--speculate {n}` (a greedy request running alone "
                 f"gets up to {n} n-gram draft token(s) checked in each step; the answer is plain decoding's, token for "
-                "token: handler/speculate.py)")
+                "token: handler/engine/speculate.py)")
         md += [f"Speculative decoding: {ours}; llama.cpp at its default (`--spec-type none`); vLLM without a "
                "speculative config (its default).", ""]
     if tgt := targets(data, summary):

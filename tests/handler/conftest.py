@@ -22,7 +22,7 @@ def paged_kernel():
     if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
         if os.environ.get("CI"):
             pytest.fail("no C++ compiler under CI: the paged decode kernel cannot compile")
-        from handler import paged_attention
+        from handler.model import paged_attention
 
         # what such a machine must still get right: the probe says so, and "auto" keeps gathering
         p = paged_attention.probe("cpu", torch.float32, 4, 2, 32, 16, rows=4)

@@ -62,10 +62,10 @@ class ServerThread:
 
 
 class ReplicaServer(ServerThread):
-    """A replica (`handler.app.create_app(config)`) served for real."""
+    """A replica (`handler.serving.app.create_app(config)`) served for real."""
 
     def __init__(self, config):
-        from handler.app import create_app
+        from handler.serving.app import create_app
 
         port = free_port()  # never the default 8200: other services may run on this machine
         config.port = port
@@ -160,8 +160,8 @@ def service_archives(tmp_path_factory, dev_model, dev_model_b, canaries, canary_
 
 def make_config(dev_model: Path, archives: Archives, disk_dir: Path, **kw):
     """A standalone ReplicaConfig reading the test catalog from the file:// store."""
-    from handler.app import ReplicaConfig
-    from handler.handler import Limits
+    from handler.serving.app import ReplicaConfig
+    from handler.serving.handler import Limits
 
     limits = kw.pop("limits", None) or Limits(rank_limit=kw.pop("rank_limit", 16), default_max_tokens=32)
     return ReplicaConfig(

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from handler.cli import build_config, parse_pools, parse_size
+from handler.serving.cli import build_config, parse_pools, parse_size
 from lorafarm.cli import build_parser
 from lorafarm.errors import CliError
 from tests.handler.conftest_service import free_port, service_archives, wait_healthy  # noqa: F401 - fixture

@@ -1,7 +1,7 @@
 """Answers independent of load: with `Engine(batch_invariant=True)` a request's logits (hence its
 tokens at temperature 0) are bitwise the same alone or in a batch of 31 others on scattered slots,
 with prefills of other prompts in the same steps. And the kernel / attention choice never depends
-on a timing (`handler.lora.kernel_costs`, `handler.paged_attention.prefers_paged`)."""
+on a timing (`handler.model.lora.kernel_costs`, `handler.model.paged_attention.prefers_paged`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import random
 import pytest
 import torch
 
-from handler import lora as lora_mod
-from handler import paged_attention
-from handler.engine import Engine
-from handler.model import INVARIANT_MIN_ROWS, padded_linear
-from handler.sampling import SamplingParams
+from handler.model import lora as lora_mod
+from handler.model import paged_attention
+from handler.engine.engine import Engine
+from handler.model.runner import INVARIANT_MIN_ROWS, padded_linear
+from handler.engine.sampling import SamplingParams
 from lorafarm.dev.adapters import random_prompts
 from tests.handler.test_engine import Collector, chat_ids, drain, run_staggered
-from handler.model import LORA_MODULES
+from handler.model.runner import LORA_MODULES
 
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from archives.store import S3Store
-from handler.cache import (
+from handler.adapters.cache import (
     AdapterCache,
     AdapterLoadError,
     AdapterNotFoundError,
@@ -19,13 +19,13 @@ from handler.cache import (
     check_adapter_tensors,
     module_shapes,
 )
-from handler.metrics import RateWindow, ReplicaMetrics
+from handler.serving.metrics import RateWindow, ReplicaMetrics
 from tests.handler.conftest_service import service_archives  # noqa: F401 - fixture
 
 
 @pytest.fixture(scope="module")
 def engine(dev_model):
-    from handler.engine import Engine
+    from handler.engine.engine import Engine
 
     eng = Engine(dev_model, rank_pools={16: 2}, kv_cache_bytes=4 * 1024 * 1024, max_batch=8)
     eng.start()
@@ -352,7 +352,7 @@ async def test_registry_source_streams_only_from_a_remote_store(service_archives
     """RegistrySource.open_stream: the weights_uri the registry names, streamed from S3; None from a
     local folder (read in place) or without a store (the registry's own download)."""
     from archives.store import open_store
-    from handler.sources import RegistrySource
+    from handler.adapters.sources import RegistrySource
 
     class Registry:  # the registry client's get_adapter, answering for one adapter
         def __init__(self, uri):
@@ -423,7 +423,7 @@ def _generate(engine, adapter_id, rid, prompt, n):
     """Submit a greedy request; returns (done event, tokens list)."""
     import threading
 
-    from handler.sampling import SamplingParams
+    from handler.engine.sampling import SamplingParams
 
     done, toks = threading.Event(), []
 

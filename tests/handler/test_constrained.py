@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from handler import constrained
-from handler.engine import Engine, SamplingParams
+from handler.grammar import constrained
+from handler.engine.engine import Engine, SamplingParams
 from tests.handler.test_engine import Collector, chat_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -170,8 +170,8 @@ def test_a_tools_template_renders_tools_calls_and_results(engine):
     import copy
     from types import SimpleNamespace
 
-    from handler import openai_schemas as oai
-    from handler.handler import LoraHandler
+    from lorafarm import openai_schemas as oai
+    from handler.serving.handler import LoraHandler
 
     tok = copy.copy(engine.tokenizer)
     tok.chat_template = QWEN_STYLE

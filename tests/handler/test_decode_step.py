@@ -1,4 +1,4 @@
-"""handler/decode_step.py: the C decode step computes what the torch forward computes (logits and the
+"""handler/model/decode_step.py: the C decode step computes what the torch forward computes (logits and the
 K/V it writes), with adapters of several ranks on scattered slots, rows of mixed lengths on scattered
 blocks, biases and tied embeddings; a row's logits have the same bits alone or beside others on any
 thread count; the engine uses it only where it applies, and greedy answers do not change."""
@@ -10,12 +10,14 @@ import random
 import pytest
 import torch
 
-from handler import decode_step, small_gemm
-from handler import engine as engine_module
-from handler.engine import Engine
-from handler.lora import LORA_MODULES
-from handler.model import build_step_batch
-from handler.sampling import SamplingParams
+from handler.model import decode_step
+
+from handler.model import small_gemm
+from handler.engine import engine as engine_module
+from handler.engine.engine import Engine
+from handler.model.lora import LORA_MODULES
+from handler.model.runner import build_step_batch
+from handler.engine.sampling import SamplingParams
 from tests.handler.test_batch_invariant import _random_adapter
 
 pytestmark = pytest.mark.skipif(not small_gemm.available(), reason="CPU kernels not built here (no cc or AVX2)")

@@ -1,4 +1,4 @@
-"""Fair embedding batches (issue 21, item 6): the scheduling order of `handler.embed.FairQueue` and
+"""Fair embedding batches (issue 21, item 6): the scheduling order of `handler.embed.model.FairQueue` and
 `EmbeddingBatcher`, deterministically (no clocks): which rows go into which batch."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from handler.embed import EmbeddingBatcher, FairQueue, _Job
+from handler.embed.model import EmbeddingBatcher, FairQueue, _Job
 
 
 def _job(loop, rows: int, tokens: int, flow: str = "") -> _Job:

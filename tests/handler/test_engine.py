@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from handler.engine import (
+from handler.engine.engine import (
     AdapterInUseError,
     Engine,
     InvalidAdapterError,
@@ -20,7 +20,7 @@ from handler.engine import (
     TokenEvent,
     UnknownAdapterError,
 )
-from handler.lora import read_peft_adapter
+from handler.model.lora import read_peft_adapter
 from lorafarm.dev.adapters import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -216,7 +216,7 @@ def test_a_failing_paged_kernel_falls_back_to_gathered(dev_model, canaries, cana
     is rerun on the gathered path, its requests complete with the same tokens, and it stays there."""
     from torch._dynamo.exc import TorchRuntimeError
 
-    from handler import paged_attention
+    from handler.model import paged_attention
 
     e = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8, rank_pools={16: 2}, attention="paged")
     assert e.attention == "paged"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from handler import constrained
-from handler.engine import Engine, SamplingParams
+from handler.grammar import constrained
+from handler.engine.engine import Engine, SamplingParams
 from tests.handler.test_engine import Collector, chat_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""The grammar worker pool (handler.grammar_pool) with real worker processes: crashes, timeouts and
+"""The grammar worker pool (handler.grammar.pool) with real worker processes: crashes, timeouts and
 parser limits fail only their own job, the pool respawns, and the replica-side cache is bounded by
 bytes per tenant."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from handler import constrained
-from handler.grammar_pool import FAULT_ENV, FAULT_TITLE, GrammarError, GrammarPool
+from handler.grammar import constrained
+from handler.grammar.pool import FAULT_ENV, FAULT_TITLE, GrammarError, GrammarPool
 
 
 def ref_chain(n: int) -> dict:

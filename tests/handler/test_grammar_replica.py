@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from handler.grammar_pool import FAULT_ENV, FAULT_TITLE
+from handler.grammar.pool import FAULT_ENV, FAULT_TITLE
 from tests.handler.conftest_service import free_port, wait_healthy
 from tests.handler.test_grammar_pool import RECURSIVE_REQUIRED, many_properties, ref_chain
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handler.lora import InvalidAdapterWeightsError, ModelLoRA, read_peft_adapter
-from handler.merge import merge_adapter
-from handler.model import LORA_MODULES, ModelConfig, Runner
+from handler.model.lora import InvalidAdapterWeightsError, ModelLoRA, read_peft_adapter
+from handler.model.merge import merge_adapter
+from handler.model.runner import LORA_MODULES, ModelConfig, Runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -130,7 +130,7 @@ def test_rank_pools_choose_smallest_fitting_pool(fx):
 def test_kernel_choice(fx, monkeypatch):
     """One adapter: no gather; forced kernels; runs of consecutive slots read the stacks as one view;
     "auto" follows the device's measured costs (here replaced by fixed ones)."""
-    from handler import lora as lora_mod
+    from handler.model import lora as lora_mod
 
     assert [p.mode for p in fx.lora.prepare([3] * 9).pools] == ["whole"]
     assert [p.mode for p in fx.lora.prepare([4, 6, 4, 6], mode="dense").pools] == ["dense"]
@@ -302,6 +302,6 @@ def test_invariant_kernel_row_is_bitwise_the_same_in_any_batch(fx):
 
 
 def _none():
-    from handler.lora import LoRABatch
+    from handler.model.lora import LoRABatch
 
     return LoRABatch([])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.model import ModelLoadError, Runner, checkpoint_files
+from handler.model.runner import ModelLoadError, Runner, checkpoint_files
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -128,9 +128,9 @@ def _paged_logits(runner, rows: list[list[int]], prompt_lens: list[int], chunk: 
     """Every token's logits through the paged path: prompts prefilled in chunks of `chunk` (the
     later chunks read the cache), in the same steps as other rows' one-token decode rows (bucketed
     and gathered, or all read in place by the paged kernel)."""
-    from handler.kvcache import KVCache
-    from handler.model import build_step_batch
-    from handler.paged_attention import DecodeTables
+    from handler.model.kvcache import KVCache
+    from handler.model.runner import build_step_batch
+    from handler.model.paged_attention import DecodeTables
 
     bs = 4
     kv = KVCache.for_blocks(runner.config, 16 * len(rows), bs, runner.dtype, runner.device)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from handler import openai_schemas as oai
-from handler.constrained import ToolCallStream, parse_tool_calls
-from handler.handler import GenerationRequest, LoraHandler
-from handler.tools_prompt import render_messages, template_supports_tools
+from lorafarm import openai_schemas as oai
+from handler.grammar.constrained import ToolCallStream, parse_tool_calls
+from handler.serving.handler import GenerationRequest, LoraHandler
+from handler.grammar.tools_prompt import render_messages, template_supports_tools
 
 MSG = [{"role": "user", "content": "x"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

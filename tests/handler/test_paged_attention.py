@@ -1,4 +1,4 @@
-"""The paged decode kernel (handler.paged_attention): in place on scattered blocks, equal to
+"""The paged decode kernel (handler.model.paged_attention): in place on scattered blocks, equal to
 attention over each row's own keys, for every batch size, window, dtype and block size."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from handler import paged_attention
-from handler.kvcache import KVCache
-from handler.model import attend_group, build_step_batch
-from handler.paged_attention import DecodeTables
+from handler.model import paged_attention
+from handler.model.kvcache import KVCache
+from handler.model.runner import attend_group, build_step_batch
+from handler.model.paged_attention import DecodeTables
 
 
 def reference(q, kv: KVCache, seqs, window):

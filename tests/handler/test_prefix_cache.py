@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.engine import Engine, SamplingParams
-from handler.prefix_cache import BlockPool, chain_hashes, chain_root
+from handler.engine.engine import Engine, SamplingParams
+from handler.model.prefix_cache import BlockPool, chain_hashes, chain_root
 from lorafarm.dev.adapters import random_prompts
 from tests.handler.test_engine import Collector
 
@@ -189,7 +189,7 @@ def test_a_burst_on_one_system_prompt_computes_it_once(dev_model, few_canaries, 
 def test_continuations_of_unequal_length_share_one_attention_call():
     """Prefill chunks after cached prefixes, of different lengths, form one padded "cache" group
     (each chunk's tokens once, its last repeated to the longest); a lone one keeps its range."""
-    from handler.model import build_step_batch
+    from handler.model.runner import build_step_batch
 
     seqs = [([1, 2, 3], 16, [0, 1]), ([4, 5, 6, 7, 8], 16, [0, 2]), ([9], 33, [0, 3, 4]), ([10], 5, [6])]
     b = build_step_batch(seqs, 16, torch.device("cpu"), {None}, decode_from=3)

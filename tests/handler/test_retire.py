@@ -1,4 +1,4 @@
-"""Which adapter versions a replica retires when the routing table changes (handler/retire.py), and
+"""Which adapter versions a replica retires when the routing table changes (handler/adapters/retire.py), and
 that the Retirer unloads only what it holds, once per id. The unload's drain itself (running
 requests finish first) is the cache's, tested in test_cache.py; the whole path runs in
 tests/e2e/test_platform.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from handler.retire import Retirer, to_retire
+from handler.adapters.retire import Retirer, to_retire
 
 
 def table(aliases: dict[str, str], adapters: dict[str, str]) -> dict:

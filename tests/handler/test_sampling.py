@@ -1,11 +1,11 @@
-"""The batched logits processing of `handler.sampling`: each stage against a per-row reference,
+"""The batched logits processing of `handler.engine.sampling`: each stage against a per-row reference,
 each penalty and bias changes what is sampled, filters keep what they promise, rows are independent."""
 
 from __future__ import annotations
 
 import torch
 
-from handler.sampling import RowState, SamplingParams, sample
+from handler.engine.sampling import RowState, SamplingParams, sample
 
 V = 50
 CPU = torch.device("cpu")

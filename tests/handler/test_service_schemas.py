@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from handler import openai_schemas as oai
+from lorafarm import openai_schemas as oai
 
 
 def test_chat_request_defaults_and_validation():

@@ -1,11 +1,11 @@
-"""The replica sizes its KV cache and adapter slots from the model and the machine (handler/sizing.py)
+"""The replica sizes its KV cache and adapter slots from the model and the machine (handler/serving/sizing.py)
 when `--kv-cache-bytes` / `--slots` / `--rank-pools` / `--lora-memory-bytes` do not say."""
 
 from __future__ import annotations
 
 import json
 
-from handler.sizing import GiB, MiB, size_replica, slot_bytes, weights_bytes
+from handler.serving.sizing import GiB, MiB, size_replica, slot_bytes, weights_bytes
 
 SMOLLM2 = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
@@ -43,7 +43,7 @@ def test_gpu_sizes_from_the_device_memory():
 
 
 def test_flags_override_and_defaults_apply(tmp_path, dev_model):
-    from handler.cli import build_config
+    from handler.serving.cli import build_config
     from lorafarm.cli import build_parser
 
     base = tmp_path / "smol"

@@ -1,4 +1,4 @@
-"""The pure slot policy (handler/slots.py) alone: no torch, no I/O, simulated time."""
+"""The pure slot policy (handler/adapters/slots.py) alone: no torch, no I/O, simulated time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from handler.slots import Plan, SlotPolicy
+from handler.adapters.slots import Plan, SlotPolicy
 
 
 class Clock:
@@ -34,7 +34,7 @@ def load(p: SlotPolicy, aid: str, rank: int = 8, size: int = 100) -> Plan:
 
 
 def test_importing_the_policy_pulls_in_no_torch():
-    code = "import sys, handler.slots; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    code = "import sys, handler.adapters.slots; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

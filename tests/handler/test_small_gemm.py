@@ -1,4 +1,4 @@
-"""handler/small_gemm.py: the small-M CPU kernel equals F.linear, gives a row the same bits whatever
+"""handler/model/small_gemm.py: the small-M CPU kernel equals F.linear, gives a row the same bits whatever
 rows share the call, and falls back to F.linear outside its domain or when it cannot be built."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from handler import small_gemm
+from handler.model import small_gemm
 
 pytestmark = pytest.mark.skipif(not small_gemm.available(), reason="small-M kernel not built here (no cc or AVX2)")
 

@@ -1,4 +1,4 @@
-"""handler/speculate.py and the engine's speculative steps: n-gram drafts come from the request's own
+"""handler/engine/speculate.py and the engine's speculative steps: n-gram drafts come from the request's own
 latest earlier occurrence; a verify step's rows (one sequence at consecutive positions) give the
 logits and K/V of plain decode steps bit for bit, on any thread split; speculation changes no answer
 (greedy tokens, stop strings, max_tokens, requests that cannot be drafted beside ones that are) while
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler import small_gemm
-from handler.engine import Engine
-from handler.sampling import SamplingParams
-from handler.speculate import NgramIndex, accepted, can_draft
+from handler.model import small_gemm
+from handler.engine.engine import Engine
+from handler.engine.sampling import SamplingParams
+from handler.engine.speculate import NgramIndex, accepted, can_draft
 from tests.handler.test_decode_step import _engine, _prefilled_rows
 
 needs_c = pytest.mark.skipif(not small_gemm.available(), reason="CPU kernels not built here (no cc or AVX2)")
@@ -53,7 +53,7 @@ def test_accepted_takes_tokens_up_to_the_first_wrong_draft():
 
 
 def test_only_argmax_requests_are_drafted():
-    from handler.sampling import RowState
+    from handler.engine.sampling import RowState
 
     def ok(**kw):
         p = SamplingParams(**kw)
@@ -155,7 +155,7 @@ def test_answers_unchanged_when_the_cache_runs_out(dev_model, one_torch_thread):
     """A cache of 6 blocks for three requests of 4 blocks each: requests are preempted and recomputed,
     drafts stop where the free blocks end (a draft never preempts), and every answer is still plain
     decoding's."""
-    from handler.kvcache import KVCache
+    from handler.model.kvcache import KVCache
 
     def engine(speculate):
         c = Engine(dev_model, device="cpu", kv_cache_bytes=8 << 20, max_batch=4).config

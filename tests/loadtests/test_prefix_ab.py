@@ -144,9 +144,9 @@ def test_cache_rates_read_the_prefix_counters(tmp_path):
 
 
 def test_hit_rate_from_the_replicas_real_prefix_cache_exposition(tmp_path):
-    """The replica's own collector (handler/metrics.py) as scraped at the window's start and end:
+    """The replica's own collector (handler/serving/metrics.py) as scraped at the window's start and end:
     the load test reads its counters under their names (and not the vllm: copies twice)."""
-    from handler.metrics import ReplicaMetrics
+    from handler.serving.metrics import ReplicaMetrics
 
     m = ReplicaMetrics("r0")
     st = SimpleNamespace(prefix_cache_queries=100, prefix_cache_hits=10, prefix_cache_evictions=0, prefix_cache_blocks=1,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from handler.metrics import ReplicaMetrics
+from handler.serving.metrics import ReplicaMetrics
 from loadtests.report import highest_ok_rate
 from loadtests.runner import cache_rates, closed_throughput, percentile, summarize
 

@@ -33,7 +33,7 @@ def _router_app():
 def _replica_app():
     from pathlib import Path
 
-    from handler.app import ReplicaConfig, create_app
+    from handler.serving.app import ReplicaConfig, create_app
 
     return create_app(ReplicaConfig(base_dir=Path("unused"), admin_token="schema-only"))
 

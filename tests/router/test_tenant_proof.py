@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from handler import openai_schemas as oai
+from lorafarm import openai_schemas as oai
 from lorafarm import limits
 from lorafarm.embeddings import EmbeddingsRequestError, parse_embeddings
 from lorafarm.schemas import ReplicaState

@@ -1,0 +1,768 @@
+"""The replica's HTTP service (Litestar on uvicorn): OpenAI-compatible completions over the
+`LoraHandler`, the internal load/unload/state API the router and registry use, health and metrics.
+
+    app = create_app(ReplicaConfig(replica_id="r0", base_dir=Path("models/dev")))
+
+Start-up (lifespan): load the base and hash it, start the engine thread, open the adapter source
+(registry + object store in production; a local catalog or nothing in standalone mode), join the
+registry and heartbeat when one is configured, then pull the adapters this replica owns to disk and
+RAM and pre-warm the first of them into device slots, in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+from lorafarm import openai_schemas as oai
+from handler.adapters.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
+from handler.serving.handler import Generation, HandlerContext, Limits, LoraHandler, load_error_to_openai
+from handler.serving.metrics import CONTENT_TYPE, ReplicaMetrics
+from handler.engine.speculate import SPECULATE_TOKENS
+from lorafarm.openapi import openapi_config
+from lorafarm.serving import ClientGone, unless_disconnected
+
+log = logging.getLogger("lorafarm.replica")
+
+PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema/openapi.json")
+OPENAPI_BODIES = {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest}
+
+
+@dataclass
+class ReplicaConfig:
+    """Everything `lorafarm replica` configures (see `handler.serving.cli`)."""
+
+    base_dir: Path
+    replica_id: str = "r0"
+    model_name: str | None = None  # default: the base folder's name
+    host: str = "127.0.0.1"
+    port: int = 8200
+    advertise_url: str | None = None  # what the registry hands the router; default http://host:port
+    registry_url: str | None = None  # None: standalone
+    admin_token: str | None = None
+    store_url: str | None = None
+    s3_endpoint_url: str | None = None
+    trust: list[Path] = field(default_factory=list)
+    adapter_catalog: Path | None = None  # standalone: JSON {adapter_id: weights_uri} into the store
+    slots: int = 8
+    rank_pools: dict[int, int] | None = None
+    ram_bytes: int = 4 * 1024**3
+    load_nice: int = 10  # CPU priority (nice) of adapter-load threads: below the decode loop's
+    disk_bytes: int = 32 * 1024**3
+    disk_dir: Path | None = None  # default var/replicas/<id>
+    kv_cache_bytes: int | None = None
+    device: str | None = None
+    dtype: str = "float32"
+    merged_adapter: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    heartbeat_s: float = 1.0
+    placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
+    prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
+    attention: str = "auto"  # decode attention: auto | paged | gather (handler.engine.engine.Engine)
+    compile: bool = False  # torch.compile the layer pieces of decode steps (CUDA graphs on cuda)
+    batch_invariant: bool = False  # a row's arithmetic independent of the batch (handler.engine.engine.Engine)
+    prefix_cache: bool = True  # reuse the KV of identical prompt prefixes, per tenant and adapter
+    speculate: int = SPECULATE_TOKENS  # n-gram draft tokens per greedy request and step (0: off; handler.engine.speculate)
+    pull_owned: bool = True
+    prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
+    prefetch_top: int = 16  # how many of the most requested adapters to keep warm
+    shutdown_grace_s: float = 10.0  # SIGTERM: streams in flight get this long to finish
+    # liveness (issue 26): a stream whose request still waits (adapter, queue, prefill) gets an SSE
+    # comment `: keep-alive` this often, so the router's read timeout measures silence, not time to
+    # first token; 0: never
+    stream_keepalive_s: float = 2.0
+    # admission: shed with 503 overloaded + Retry-After *before* accepting when the engine's remaining
+    # work (unprefilled prompt + tokens still to generate, waiting and running) plus this request's
+    # would pass this many tokens; 0: no token bound (the waiting-queue cap still applies: 429)
+    max_queued_tokens: int = 65536
+    shed_retry_after_s: int = 1
+
+    def resolved_model_name(self) -> str:
+        return self.model_name or Path(self.base_dir).resolve().name
+
+    def resolved_disk_dir(self) -> Path:
+        return Path(self.disk_dir) if self.disk_dir else Path("var") / "replicas" / self.replica_id
+
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+# ------------------------------------------------------------------------------ errors and auth
+
+
+def _json_response(status: int, body: dict, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=body, status_code=status, media_type=MediaType.JSON, headers=headers or {})
+
+
+def _openai_error_handler(_: Request, exc: oai.OpenAIError) -> Response:
+    return _json_response(exc.status, exc.body(), exc.headers)
+
+
+_HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
+               429: "rate_limited"}
+
+
+def _http_error_handler(_: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    msg = exc.detail or "error"
+    if status == 413:
+        msg = "The request body is too large."
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return _json_response(status, oai.error_body(str(msg), type=kind, code=_HTTP_CODES.get(status)),
+                          dict(exc.headers or {}))
+
+
+def _server_error_handler(_: Request, exc: Exception) -> Response:
+    log.exception("unhandled error: %s", exc)
+    return _json_response(500, oai.error_body(f"internal error: {exc.__class__.__name__}", type="server_error",
+                                              code="internal_error"))
+
+
+class AdminAuthMiddleware:
+    """Bearer admin token on every path but /health and /metrics (when a token is configured)."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = b""
+        for k, v in scope.get("headers") or ():
+            if k == b"authorization":
+                auth = v
+                break
+        scheme, _, given = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+            body = json.dumps(oai.error_body("Missing or invalid admin bearer token.",
+                                             code="invalid_admin_token")).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"www-authenticate", b"Bearer"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------ the service
+
+
+class ReplicaService:
+    """What the lifespan builds and the routes use (kept on `app.state.replica`)."""
+
+    def __init__(self, config: ReplicaConfig):
+        self.config = config
+        self.handler = LoraHandler()
+        self.metrics = ReplicaMetrics(config.replica_id, config.resolved_model_name())
+        self.registry = None
+        self.store = None
+        self.ready = False
+        self.draining = False
+        self.joined = False
+        self.tasks: list[asyncio.Task] = []
+        self.pull_done = asyncio.Event()
+        self.started_at = time.time()
+
+    # -- start / stop -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        trusted = []
+        if cfg.trust:
+            from archives.keys import load_public_keys
+
+            trusted = load_public_keys([str(p) for p in cfg.trust])
+        if cfg.store_url:
+            from archives.store import open_store
+
+            self.store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
+        if cfg.registry_url:
+            from lorafarm.registry_client import RegistryClient
+
+            self.registry = RegistryClient(cfg.registry_url, cfg.admin_token)
+            source = RegistrySource(self.registry, self.store)
+        elif cfg.adapter_catalog:
+            if self.store is None:
+                raise RuntimeError("--adapter-catalog needs --store-url (the catalog's URIs point into it)")
+            source = CatalogSource.load(cfg.adapter_catalog, self.store)
+        else:
+            source = NoSource()
+        dtype = getattr(torch, cfg.dtype)
+        ctx = HandlerContext(
+            model_dir=Path(cfg.base_dir), model_name=cfg.resolved_model_name(), replica_id=cfg.replica_id,
+            device=cfg.device, dtype=dtype, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots,
+            rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
+            ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
+            source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile,
+            batch_invariant=cfg.batch_invariant, prefix_cache=cfg.prefix_cache, speculate=cfg.speculate)
+        if cfg.merged_adapter:
+            ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
+        await asyncio.to_thread(self.handler.initialize, ctx)
+        await self.handler.start()
+        self.ready = True
+        if cfg.prefetch_interval_s > 0 and not cfg.merged_adapter:
+            self.tasks.append(asyncio.create_task(self._prefetch_loop(), name="prefetch"))
+        if self.registry is not None:
+            from handler.adapters.retire import Retirer
+
+            self.tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
+            self.retirer = Retirer(self.registry, self.handler.cache, interval_s=max(1.0, cfg.heartbeat_s))
+            self.tasks.append(asyncio.create_task(self.retirer.run(), name="retire"))
+        else:
+            self.pull_done.set()
+
+    async def _prefetch_loop(self) -> None:
+        """Popularity prefetch: the adapters this replica's traffic asks for most go back into RAM
+        (and free device slots) before their next request."""
+        while True:
+            await asyncio.sleep(self.config.prefetch_interval_s)
+            try:
+                moved = await self.handler.cache.prefetch_popular(self.config.prefetch_top)
+                if moved:
+                    log.info("prefetched %d popular adapters: %s", len(moved), moved)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("popularity prefetch: %s", e)
+
+    async def _fetch_merged(self, ctx: HandlerContext, source, trusted) -> Path:
+        """Merged mode: fetch and verify the adapter before the engine is built."""
+        from archives.basehash import base_model_hash
+        from archives.extract import extract_archive
+
+        aid = ctx.merged_adapter
+        base_hash = await asyncio.to_thread(base_model_hash, ctx.model_dir)
+        dest = ctx.disk_dir / "merged" / aid
+        lar = ctx.disk_dir / "merged" / f"{aid}.lar"
+        lar.parent.mkdir(parents=True, exist_ok=True)
+        if not await source.exists(aid):
+            raise RuntimeError(f"merged adapter {aid} is not known to the registry/catalog")
+        got = await source.fetch(aid, lar) or lar  # a local store hands back its own file, read in place
+        import shutil
+
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        await asyncio.to_thread(extract_archive, got, dest, trusted, base_model_hash=base_hash,
+                                max_rank=ctx.limits.rank_limit)
+        lar.unlink(missing_ok=True)  # only our download, never the store's file
+        return dest
+
+    async def stop(self) -> None:
+        self.ready = False
+        if getattr(self, "retirer", None) is not None:
+            await self.retirer.stop()
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if self.handler.initialized:
+            await self.handler.shutdown()
+        elif self.store is not None:
+            await self.store.close()
+        if self.registry is not None:
+            with contextlib.suppress(Exception):
+                await self.registry.aclose()
+
+    # -- registry ---------------------------------------------------------------------------
+
+    async def _join(self) -> None:
+        await self.registry.join_replica(self.config.replica_id, self.config.url(), self.handler.base_model_hash,
+                                         list(self.handler.models))
+        self.joined = True
+        log.info("joined the registry at %s as %s", self.config.registry_url, self.config.replica_id)
+
+    async def _registry_loop(self) -> None:
+        from lorafarm.registry_client import RegistryError
+
+        pull: asyncio.Task | None = None
+        last_pull = 0.0
+        backoff = self.config.heartbeat_s
+        while True:
+            try:
+                if not self.joined:
+                    await self._join()
+                else:
+                    await self.registry.heartbeat(self.config.replica_id, self.handler.state())
+                backoff = self.config.heartbeat_s
+                now = time.monotonic()
+                if (pull is None or pull.done()) and (last_pull == 0.0 or now - last_pull >= self.config.placements_refresh_s):
+                    last_pull = now
+                    pull = asyncio.create_task(self._pull_owned(first=pull is None), name="pull-owned")
+                    self.tasks = [t for t in self.tasks if not t.done()] + [pull]
+            except RegistryError as e:
+                if e.status == 404:
+                    self.joined = False  # the registry forgot us (restart): join again
+                log.warning("registry: %s", e)
+                backoff = min(backoff * 2, 15.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("registry loop: %s", e)
+                backoff = min(backoff * 2, 15.0)
+            await asyncio.sleep(backoff)
+
+    async def _pull_owned(self, first: bool = True) -> None:
+        """Pull owned adapters to disk and RAM; on the first pull, pre-warm the first ones into device
+        slots. Later pulls (placements change as replicas come and go) fetch only what is missing."""
+        try:
+            if not self.config.pull_owned or self.config.merged_adapter:
+                return
+            placed = await self.registry.placements_for_replica(self.config.replica_id)
+            cache = self.handler.cache
+            owned = list((placed or {}).get("adapters") or [])
+            retirer = getattr(self, "retirer", None)
+            if retirer is not None:  # a version a deploy retired is owned still, but not pulled back in
+                owned = [a for a in owned if not retirer.is_retired(a)]
+            if not first:
+                owned = [a for a in owned if not cache.is_local(a)]
+            n_warm = self.config.prewarm if self.config.prewarm is not None else self.config.slots
+            n_warm = n_warm if first else 0
+            sem = asyncio.Semaphore(2)
+
+            async def pull(aid: str, warm: bool):
+                async with sem:
+                    try:
+                        if warm:
+                            await cache.load(aid)
+                        else:
+                            await cache.prefetch(aid, to_ram=True)
+                    except (AdapterLoadError, AdapterNotFoundError) as e:
+                        log.warning("owned adapter %s not pulled: %s", aid, e)
+
+            await asyncio.gather(*(pull(aid, i < n_warm) for i, aid in enumerate(owned)))
+            if owned:
+                log.info("pulled %d owned adapters (%d pre-warmed)", len(owned), min(n_warm, len(owned)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("pulling owned adapters failed: %s", e)
+        finally:
+            self.pull_done.set()
+
+    def check_replica(self, replica_id: str) -> None:
+        if replica_id != self.config.replica_id:
+            raise oai.OpenAIError(404, f"this is replica {self.config.replica_id}, not {replica_id}",
+                                  code="replica_not_found")
+
+
+def _service(request: Request) -> ReplicaService:
+    svc: ReplicaService = request.app.state.replica
+    if not svc.ready:
+        raise oai.OpenAIError(503, "The replica is starting.", type="server_error", code="not_ready",
+                              headers={"Retry-After": "1"})
+    return svc
+
+
+# ------------------------------------------------------------------------------ completions
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (answered 499; nobody reads it)."""
+
+
+def _disconnected_handler(_: Request, exc: ClientDisconnected) -> Response:
+    return Response(content=b"", status_code=499)
+
+
+async def _or_disconnect(request: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    try:
+        return await unless_disconnected(request.receive, coro, discard=_abandon)
+    except ClientGone:
+        raise ClientDisconnected() from None
+
+
+def _abandon(result) -> None:
+    if isinstance(result, Generation):  # it finished just as the client left
+        result.abandon()
+
+
+async def _complete(request: Request, kind: str) -> Response | Stream:
+    svc = _service(request)
+    h = svc.handler
+    raw = await request.body()
+    greq = await h.preprocess(kind, raw, request.headers.get("x-lorafarm-tenant") or None)
+    echo = request.headers.get("x-lorafarm-model-name", "")
+    if echo and len(echo) <= 256 and echo.isprintable():  # the router's requested name (an alias): echo it
+        greq.model = echo
+    _admit(svc, greq)
+    headers = {"x-adapter-id": greq.adapter_id or greq.model, "x-adapter-tier": greq.tier,
+               "x-request-id": greq.request_id}
+    keepalive = svc.config.stream_keepalive_s
+    # admission (adapter load, engine queue): a stream waits for it up to one keep-alive interval, so
+    # that its errors (404, 422, 503: the router fails those over) keep their HTTP status; past that the
+    # stream is committed and keep-alives flow while it waits. A non-streamed request waits for it whole.
+    pending: asyncio.Future | None = asyncio.ensure_future(h.inference(greq))
+    try:
+        await _or_disconnect(request, asyncio.wait({pending}, timeout=keepalive if greq.stream and keepalive > 0
+                                                   else None))
+    except ClientDisconnected:
+        _drop_pending(svc, greq, pending)  # counted as cancelled, whether or not it reached the engine
+        raise
+    gen: Generation | None = None
+    if pending.done():
+        gen, pending = pending.result(), None  # an admission error is raised here, with its status
+    if not greq.stream:
+        try:
+            body = await _or_disconnect(request, h.postprocess(greq, gen))
+        finally:
+            gen.abandon()
+        return _json_response(200, body, headers)
+    return Stream(_sse(greq, gen, h.token_text, pending=pending, keepalive_s=keepalive,
+                       svc=svc),
+                  media_type="text/event-stream",
+                  headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def _admit(svc: ReplicaService, greq) -> None:
+    """Shed before accepting (issue 26): 429 queue_full above the waiting-queue cap; 503 overloaded
+    with Retry-After when the engine's remaining work plus this request's passes
+    `max_queued_tokens` (a lone request is always admitted). The router fails both over to another
+    replica, or hands the client the status and its Retry-After."""
+    h = svc.handler
+    h.check_capacity()
+    limit = svc.config.max_queued_tokens
+    if limit <= 0:
+        return
+    st = h.engine.stats()
+    queued = int(st.tokens_in_flight)
+    cost = len(greq.prompt_ids) + int(greq.max_tokens or 0) * int(greq.n or 1)
+    if queued and queued + cost > limit:
+        raise oai.OpenAIError(
+            503, f"The replica is overloaded ({queued} tokens of work queued, limit {limit}); retry shortly.",
+            type="server_error", code="overloaded", headers={"Retry-After": str(svc.config.shed_retry_after_s)})
+
+
+def _count_cancelled(svc: ReplicaService, greq) -> None:
+    """A request whose client left before it reached the engine is counted as cancelled too (the
+    engine's cancel counts the others): a 499 is always a cancelled request in the metrics."""
+    from handler.serving.metrics import RequestTimer
+
+    RequestTimer(svc.metrics, greq.tier).on_finish("cancelled", len(greq.prompt_ids), 0)
+
+
+def _drop_pending(svc: ReplicaService, greq, pending: asyncio.Future) -> None:
+    """The client left while its admission was pending: cancel it; a generation that got through
+    anyway is abandoned (which counts it cancelled), else the request is counted cancelled here."""
+    if pending.done():
+        if not pending.cancelled() and pending.exception() is None:
+            pending.result().abandon()
+        return
+    pending.cancel()
+
+    def after(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            f.result().abandon()
+        else:
+            _count_cancelled(svc, greq)
+
+    pending.add_done_callback(after)
+
+
+async def _sse(greq, gen: Generation | None, token_text, *, pending: asyncio.Future | None = None,
+               keepalive_s: float = 0.0, svc: ReplicaService | None = None) -> AsyncIterator[bytes]:
+    """The stream of a generation: per choice (`index`) a role chunk (chat), content (or text)
+    chunks with their logprobs, tool calls as `tool_calls` deltas once complete, and a finish chunk;
+    then the usage chunk (on request) and [DONE]. While the request waits (admission still
+    `pending`: adapter load, engine queue; then prefill or a slow step) a `: keep-alive` SSE comment
+    goes out every `keepalive_s` (OpenAI clients ignore comments)."""
+    from handler.grammar.constrained import ToolCallStream
+
+    rid, model, created = greq.response_id, greq.model, greq.created
+    chat = greq.kind == "chat"
+    want_lp = greq.body.n_logprobs is not None
+    tools = [ToolCallStream(oai.new_call_id) for _ in range(greq.n)] if chat and greq.tool_mode else None
+    called = [False] * greq.n
+
+    def lp_obj(entries):
+        if not want_lp or entries is None:
+            return None
+        return oai.chat_logprobs(entries, token_text) if chat else oai.completion_logprobs(entries, token_text)
+
+    def chunks(i: int, text: str, entries, finish: str | None):
+        if not chat:
+            if text or finish or entries:
+                yield oai.completion_chunk(rid, model, created, text=text, finish_reason=finish, index=i,
+                                           logprobs=lp_obj(entries))
+            return
+        calls = []
+        if tools is not None:
+            text, calls = tools[i].feed(text) if not finish else _join(tools[i].feed(text), tools[i].close())
+        if text or entries:
+            yield oai.chat_chunk(rid, model, created, content=text, index=i, logprobs=lp_obj(entries))
+        if calls:
+            called[i] = True
+            yield oai.chat_chunk(rid, model, created, index=i, tool_calls=[
+                {"index": k, "id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                for k, cid, name, args in calls])
+        if finish:
+            if called[i] and finish == "stop":
+                finish = "tool_calls"
+            yield oai.chat_chunk(rid, model, created, index=i, finish_reason=finish)
+
+    pump: asyncio.Task | None = None
+    try:
+        if chat:
+            for i in range(greq.n):
+                yield oai.sse(oai.chat_chunk(rid, model, created, content="", role=True, index=i))
+        if pending is not None:
+            while not pending.done():
+                await asyncio.wait({pending}, timeout=keepalive_s)
+                if not pending.done():
+                    yield KEEPALIVE
+            gen, pending = pending.result(), None  # an admission error becomes an error event
+        if keepalive_s > 0:
+            # the generation is read by a pump task, so that waiting for the next delta can time out
+            # (a keep-alive) without cancelling the generation's own iterator
+            deltas: asyncio.Queue = asyncio.Queue()
+            pump = asyncio.ensure_future(_pump(gen, deltas))
+            while True:
+                try:
+                    async with asyncio.timeout(keepalive_s):
+                        d = await deltas.get()
+                except TimeoutError:
+                    yield KEEPALIVE
+                    continue
+                if d is _END:
+                    break
+                if isinstance(d, BaseException):
+                    raise d
+                for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
+                    yield oai.sse(obj)
+        else:
+            async for d in gen:
+                for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
+                    yield oai.sse(obj)
+        if greq.include_usage:
+            yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens,
+                                                gen.cached_tokens))
+        yield oai.SSE_DONE
+    except oai.OpenAIError as e:
+        yield oai.sse_error(e)
+        yield oai.SSE_DONE
+    finally:
+        if pump is not None and not pump.done():
+            pump.cancel()
+        if pending is not None and svc is not None:
+            _drop_pending(svc, greq, pending)  # the client left while it still waited for admission
+        if gen is not None:
+            gen.abandon()  # no-op when it finished; cancels the engine request when the client left
+
+
+_END = object()
+
+
+async def _pump(gen: Generation, out: asyncio.Queue) -> None:
+    try:
+        async for d in gen:
+            out.put_nowait(d)
+        out.put_nowait(_END)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # an OpenAIError (generation failed) is re-raised by the stream
+        out.put_nowait(e)
+
+
+def _join(a: tuple[str, list], b: tuple[str, list]) -> tuple[str, list]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response | Stream:
+    return await _complete(request, "chat")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response | Stream:
+    return await _complete(request, "completion")
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> dict:
+    svc = _service(request)
+    h = svc.handler
+    created = int(svc.started_at)
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "lorafarm", "root": m, "parent": None}
+            for m in h.models]
+    base = h.models[0] if h.models else None
+    if not svc.config.merged_adapter:
+        local = dict.fromkeys(h.cache.gpu_adapters() + h.cache.ram_adapters() + h.cache.disk_adapters())
+        data += [{"id": a, "object": "model", "created": created, "owned_by": "lorafarm", "root": a,
+                  "parent": base} for a in local]
+    return {"object": "list", "data": data}
+
+
+# ------------------------------------------------------------------------------ internal API
+
+
+@post("/internal/replicas/{replica_id:str}/adapters/{adapter_id:str}/load", status_code=200)
+async def load_adapter(request: Request, replica_id: str, adapter_id: str) -> Response:
+    """Pre-warm into a device slot: 200 once mounted; 202 when it is still waiting (every slot of its
+    pool busy with running requests) after the load timeout: the load goes on in the background."""
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    if svc.config.merged_adapter:
+        raise oai.OpenAIError(409, "a merged-mode replica serves only its merged adapter", code="merged_mode")
+    cache = svc.handler.cache
+    t0 = time.perf_counter()
+    previous = cache.tier_of(adapter_id)
+    try:
+        if not await cache.exists(adapter_id):
+            raise oai.model_not_found(adapter_id)
+        task = asyncio.ensure_future(cache.load(adapter_id))
+        done, _ = await asyncio.wait({task}, timeout=svc.config.limits.load_timeout_s)
+        if not done:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return _json_response(202, {"adapter_id": adapter_id, "replica_id": replica_id, "previous_tier": previous,
+                                        "tier": cache.tier_of(adapter_id), "pending": True})
+        task.result()
+    except AdapterNotFoundError:
+        raise oai.model_not_found(adapter_id) from None
+    except AdapterLoadError as e:
+        raise load_error_to_openai(e) from None
+    return _json_response(200, {"adapter_id": adapter_id, "replica_id": replica_id, "previous_tier": previous,
+                                "tier": cache.tier_of(adapter_id), "pending": False,
+                                "load_ms": round((time.perf_counter() - t0) * 1000, 3)})
+
+
+@post("/internal/replicas/{replica_id:str}/adapters/{adapter_id:str}/unload", status_code=200)
+async def unload_adapter(request: Request, replica_id: str, adapter_id: str, purge: bool = False) -> dict:
+    """Drains the adapter's running requests first (new ones wait), then frees its slot and RAM
+    (and its disk copy with `?purge=true`)."""
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    try:
+        out = await svc.handler.cache.unload(adapter_id, purge_disk=purge)
+    except AdapterNotFoundError:
+        raise oai.model_not_found(adapter_id) from None
+    return {**out, "replica_id": replica_id, "tier": svc.handler.cache.tier_of(adapter_id)}
+
+
+@get("/internal/replicas/{replica_id:str}/state")
+async def replica_state(request: Request, replica_id: str) -> dict:
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    return svc.handler.state().model_dump(mode="json")
+
+
+@get("/internal/replicas/{replica_id:str}/cache")
+async def cache_stats(request: Request, replica_id: str) -> dict:
+    """Counters of the adapter cache (loads per tier, evictions, in-use evictions, waits)."""
+    svc = _service(request)
+    svc.check_replica(replica_id)
+    return svc.handler.cache.stats()
+
+
+@get("/health")
+async def health(request: Request) -> Response:
+    svc: ReplicaService = request.app.state.replica
+    if not svc.ready:
+        return _json_response(503, {"status": "starting", "replica_id": svc.config.replica_id})
+    h = svc.handler
+    return _json_response(200, {"status": "ok", "replica_id": svc.config.replica_id,
+                                "base_model_hash": h.base_model_hash, "models": h.models,
+                                "registry": svc.config.registry_url, "joined": svc.joined})
+
+
+@get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness (Kubernetes): 200 once the base is loaded and the first pull of owned adapters (to disk
+    and RAM, the first ones mounted) is done; 503 while starting or draining."""
+    svc: ReplicaService = request.app.state.replica
+    if not svc.ready or not svc.pull_done.is_set():
+        status = "draining" if svc.draining else "starting" if not svc.ready else "warming"
+        return _json_response(503, {"status": status, "replica_id": svc.config.replica_id})
+    return _json_response(200, {"status": "ready", "replica_id": svc.config.replica_id, "joined": svc.joined})
+
+
+@post("/internal/drain", status_code=200)
+async def drain(request: Request) -> Response:
+    """preStop: stop taking requests (503 not_ready, so the router fails over and its health checks
+    take this replica out); requests in flight finish. SIGTERM follows."""
+    svc: ReplicaService = request.app.state.replica
+    svc.ready = False
+    svc.draining = True
+    return _json_response(200, {"status": "draining", "replica_id": svc.config.replica_id,
+                                "waiting": svc.handler.waiting() if svc.handler.initialized else 0})
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    svc: ReplicaService = request.app.state.replica
+    if svc.ready:
+        svc.handler.refresh_gauges()
+    return Response(content=svc.metrics.render(), media_type=CONTENT_TYPE, status_code=200)
+
+
+# ------------------------------------------------------------------------------ factory
+
+
+def create_app(config: ReplicaConfig) -> Litestar:
+    """The replica app. Its lifespan loads the model and starts everything; see the module doc."""
+    service = ReplicaService(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    from lorafarm.accesslog import access_log_middleware
+
+    middleware = [access_log_middleware("replica")]
+    if config.admin_token:
+        token = config.admin_token
+        middleware.append(lambda app: AdminAuthMiddleware(app, token))
+    app = Litestar(
+        route_handlers=[chat_completions, completions, list_models, load_adapter, unload_adapter, replica_state,
+                        cache_stats, health, ready, drain, metrics],
+        lifespan=[lifespan],
+        middleware=middleware,
+        exception_handlers={oai.OpenAIError: _openai_error_handler, HTTPException: _http_error_handler,
+                            ClientDisconnected: _disconnected_handler, Exception: _server_error_handler},
+        request_max_body_size=config.limits.max_body_bytes,
+        openapi_config=openapi_config(
+            "lorafarm replica", "One replica: OpenAI-compatible completions and the internal adapter API.",
+            OPENAPI_BODIES, "the farm's admin token"),
+        debug=False,
+    )
+    app.state.replica = service
+    app.state.openapi_bodies = OPENAPI_BODIES
+    return app
+
+
+def run(config: ReplicaConfig, log_level: str = "info") -> None:
+    """Serve with uvicorn until SIGINT/SIGTERM."""
+    from lorafarm.accesslog import quiet_polling_loggers
+    from lorafarm.serving import serve
+
+    logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_polling_loggers()
+    # uvicorn's own access log would print every 1 s state poll; lorafarm.access logs them at DEBUG.
+    serve(create_app(config), config.host, config.port, log_level=log_level, access_log=False,
+          timeout_graceful_shutdown=config.shutdown_grace_s)  # slow-client limits, as the router
