@@ -74,6 +74,7 @@ from handler.model.decode_step import DecodeStep
 from handler.model.decode_step import why_not as decode_step_why_not
 from handler.model.paged_attention import DecodeTables
 from handler.engine.sampling import RowState, SamplingParams, sample
+from handler.engine.config import DEFAULT_RANK_POOLS, EngineConfig
 from handler.engine.speculate import SPECULATE_MAX_ROWS, SPECULATE_TOKENS, NgramIndex, accepted, can_draft
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ __all__ = [
     "InvalidRequestError",
     "RequestTooLongError",
     "DEFAULT_RANK_POOLS",
+    "EngineConfig",
 ]
 
-DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
 C_PREFILL_TOKENS = 16  # steps with prefill of at most this many rows in all run on the C decode step (Engine._c_step_takes)
 
 
@@ -217,29 +218,7 @@ class _Request:
 
 
 class Engine:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
-        kv_cache_bytes: int | None = None,
-        max_batch: int = 32,
-        rank_pools: Mapping[int, int] | None = None,
-        max_prefill_tokens: int = 2048,
-        *,
-        max_context: int | None = None,
-        block_size: int = 16,
-        merged_adapter: MergedAdapter | None = None,
-        kv_reserve: str = "demand",
-        attention: str = "auto",
-        compile: bool = False,
-        batch_invariant: bool = False,
-        prefix_cache: bool = False,
-        cache_key: str | None = None,
-        decode_step: bool | None = None,
-        speculate: int = SPECULATE_TOKENS,
-        speculate_max_rows: int = SPECULATE_MAX_ROWS,
-    ):
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **overrides):
         """Load the model and preallocate the KV cache and the adapter slot stacks.
 
         kv_cache_bytes: the KV cache budget; None sizes it for max_batch requests of
@@ -271,6 +250,15 @@ class Engine:
         C steps whose rows, drafts included, stay within speculate_max_rows: a few rows cost about
         one, more do not.
         """
+        cfg = (config or EngineConfig()).replace(**overrides) if overrides or config is None else config
+        self.engine_config = cfg
+        device, kv_cache_bytes, max_batch = cfg.device, cfg.kv_cache_bytes, cfg.max_batch
+        rank_pools, max_prefill_tokens, max_context, block_size = (cfg.rank_pools, cfg.max_prefill_tokens,
+                                                                   cfg.max_context, cfg.block_size)
+        merged_adapter, kv_reserve, attention, compile = cfg.merged_adapter, cfg.kv_reserve, cfg.attention, cfg.compile
+        batch_invariant, prefix_cache, cache_key, decode_step = (cfg.batch_invariant, cfg.prefix_cache,
+                                                                 cfg.cache_key, cfg.decode_step)
+        speculate, speculate_max_rows = cfg.speculate, cfg.speculate_max_rows
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention must be 'auto', 'paged' or 'gather', not {attention!r}")
         if kv_reserve not in ("demand", "max_tokens"):
@@ -279,6 +267,8 @@ class Engine:
         if max_batch < 1 or max_prefill_tokens < 1 or block_size < 1:
             raise ValueError("max_batch, max_prefill_tokens and block_size must be positive")
         self.model_dir = Path(model_dir)
+        dtype = cfg.resolved_dtype(torch.device(device) if device else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu"))
         self.runner = Runner(self.model_dir, dtype=dtype, device=device)
         self.device, self.dtype = self.runner.device, dtype
         self.config = self.runner.config
