@@ -13,8 +13,12 @@ one after it (tests/handler/test_import_graph.py checks this and that there is n
 4. `handler.adapters`: the tiered adapter cache (device <- RAM <- disk <- object store), its pure
    slot policy, the adapter sources and version retirement.
 5. `handler.serving`: the HTTP app (Litestar), `LoraHandler` (TorchServe's initialize / preprocess /
-   inference / postprocess), load shedding, streaming, metrics and the `lorafarm replica` CLI.
+   inference / postprocess), load shedding, streaming and metrics.
 6. `handler.embed`: the embedding worker, a replica of another task (serving's contract).
+
+Over every room, `handler.cli` (`lorafarm replica`) reads the flags and starts a replica or an
+embedding worker; nothing imports it but lorafarm's CLI. Any room may import `handler.threads`
+(thread priority), which imports nothing of handler/.
 
 Shared with the router and registry: `lorafarm` (OpenAI wire schemas, the max_tokens rule).
 """

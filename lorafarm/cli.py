@@ -15,7 +15,7 @@ COMMAND_MODULES = [
     "lorafarm.dev.cli",
     "lorafarm.realmodel",
     "archives.cli",
-    "handler.serving.cli",
+    "handler.cli",
     "registry.cli",
     "lorafarm.farm_cli",
     "loadtests.cli",

@@ -24,6 +24,20 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (logits / T would overflow to inf/nan)
 MAX_TOP_LOGPROBS = 20
 
+# The max_tokens rule, one for the router (what it charges up front: rate limits, token budgets) and the
+# replica (what it generates). A request that sets no limit generates up to DEFAULT_MAX_TOKENS (the
+# replica caps that default to the model's context), so the router charges what will be generated.
+DEFAULT_MAX_TOKENS = 512
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without a max_tokens field (OpenAI's default there)
+
+
+def effective_max_tokens(max_tokens: int | None, max_completion_tokens: int | None = None,
+                         default: int | None = DEFAULT_MAX_TOKENS) -> int | None:
+    """The most tokens a request generates (per choice): max_tokens and max_completion_tokens both sent,
+    the smaller; one sent, that one; neither, `default`."""
+    sent = [v for v in (max_tokens, max_completion_tokens) if v is not None]
+    return min(sent) if sent else default
+
 
 class OpenAIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
@@ -286,7 +300,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check(self):
         if self.max_completion_tokens is not None:  # both sent: the smaller, as the router charges
-            self.max_tokens = min(self.max_tokens or self.max_completion_tokens, self.max_completion_tokens)
+            self.max_tokens = effective_max_tokens(self.max_tokens, self.max_completion_tokens)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.tools is not None and len(self.tools) == 0:
@@ -323,7 +337,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
     best_of: int | None = None

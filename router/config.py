@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from lorafarm.openai_schemas import DEFAULT_MAX_TOKENS
 from router.routing import SCORES, STRATEGIES
 
 
@@ -72,7 +73,9 @@ class RouterSettings:
     burst_seconds: float = 1.0  # bucket capacity = rate x burst_seconds (at least one request)
     # shared rate-limit buckets for several routers (redis://host:6379/0); None: per router
     redis_url: str | None = field(default_factory=lambda: os.environ.get("LORAFARM_REDIS_URL") or None)
-    default_max_tokens: int = 256  # token cost of a request that sets no max_tokens
+    # the token cost of a request that sets no max_tokens: what the replica generates for it
+    # (lorafarm.openai_schemas.DEFAULT_MAX_TOKENS, the one default of both)
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
     # SLO
     slo_ttft_target: float = field(default_factory=lambda: _env_float("LORAFARM_SLO_TTFT_TARGET", 1.0))

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 from lorafarm.limits import MAX_N  # one limit for `n` at the router and the replica, refused here before any charge
+# one max_tokens rule at the router and the replica: the router charges what the replica generates
+from lorafarm.openai_schemas import COMPLETIONS_MAX_TOKENS, DEFAULT_MAX_TOKENS, effective_max_tokens
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -102,7 +104,8 @@ def estimate_prompt_tokens(endpoint: str, body: dict) -> int:
 INLINE_PARSE_BYTES = 64 * 1024  # a bigger body is parsed in a worker thread
 
 
-async def parse_request_off_loop(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedRequest:
+async def parse_request_off_loop(endpoint: str, raw: bytes,
+                                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
     """`parse_request`, in a worker thread for a big body (2,048 embedding inputs, a long prompt: tens
     of milliseconds of JSON and Python checks that would otherwise stall every tenant on this router)."""
     if len(raw) <= INLINE_PARSE_BYTES:
@@ -112,7 +115,7 @@ async def parse_request_off_loop(endpoint: str, raw: bytes, default_max_tokens: 
     return await asyncio.to_thread(parse_request, endpoint, raw, default_max_tokens)
 
 
-def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedRequest:
+def parse_request(endpoint: str, raw: bytes, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
     if endpoint == EMBEDDINGS:
         return parse_embeddings_request(raw)
     try:
@@ -138,16 +141,14 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int) -> ParsedR
         stream = False
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
-    # both fields may be sent: the replica generates the smaller, so that is what is charged
-    limits = []
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
-        if v is None:
-            continue
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TOKENS_LIMIT:
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TOKENS_LIMIT):
             raise ApiError(400, f"'{name}' must be an integer in [1, {MAX_TOKENS_LIMIT}]", param=name)
-        limits.append(v)
-    max_tokens = min(limits) if limits else default_max_tokens
+    # what the replica generates, so what is charged (`effective_max_tokens`: both sent, the smaller); a
+    # completion without the field gets its schema's default (CompletionRequest.max_tokens), as there
+    sent = body.get("max_tokens", COMPLETIONS_MAX_TOKENS if endpoint == COMPLETIONS else None)
+    max_tokens = effective_max_tokens(sent, body.get("max_completion_tokens"), default_max_tokens)
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
         raise ApiError(400, f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}]", param="seed")

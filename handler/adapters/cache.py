@@ -46,6 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from archives.digest import file_sha256
+from archives.errors import SignatureError
+from archives.extract import extract_archive_one_pass
+from archives.safetensors_header import read_header
+from archives.store.pipe import ChunkPipe
+from archives.stream import extract_archive_stream
 from handler.model.lora import SlotImage, SlotImageFile, pread_into
 from handler.threads import lower_thread_priority
 from handler.adapters.errors import SAFE_ID_RE, AdapterLoadError, AdapterNotFoundError, check_adapter_id, error_code
@@ -162,8 +168,6 @@ def save_slot_image(image: SlotImage, path: Path) -> None:
 
 def open_slot_image(path: Path) -> SlotImageFile:
     """The header of a saved slot image: where each stack lies in the file (nothing else is read)."""
-    from archives.safetensors_header import read_header
-
     with open(path, "rb", buffering=0) as f:
         size = f.seek(0, 2)
         f.seek(0)
@@ -850,8 +854,6 @@ class AdapterCache:
         """`_extract` of an archive streamed from the store: the io thread reads it through a bounded
         pipe while it downloads. A failed download fails the extraction; a failed extraction stops
         the download. Returns (manifest, adapter, archive bytes)."""
-        from archives.store.pipe import ChunkPipe
-
         pipe = ChunkPipe(depth=8)
         feeder = asyncio.get_running_loop().create_task(pipe.feed(chunks))
         try:
@@ -868,12 +870,7 @@ class AdapterCache:
         """Verify (signature, checksums, base hash, rank limit) then extract the archive at path `lar`
         (or read from the stream `lar`); stamp the folder; check the tensors and build the slot image
         into it."""
-        from archives.extract import extract_archive_one_pass
-        from archives.stream import extract_archive_stream
-
         if not self.trusted_keys:
-            from archives.errors import SignatureError
-
             raise SignatureError("no trusted public key configured (--trust): refusing unsigned trust")
         dest.mkdir(parents=True, exist_ok=True)
         extract = extract_archive_one_pass if isinstance(lar, Path) else extract_archive_stream
@@ -889,8 +886,6 @@ class AdapterCache:
 
     def _recheck_disk(self, adapter_id: str) -> bool:
         """The files of an adopted folder still have their verified manifest's checksums."""
-        from archives.digest import file_sha256
-
         d = self.adapters_dir / adapter_id
         try:
             files = json.loads((d / VERIFIED_STAMP).read_text())["manifest"]["files"]

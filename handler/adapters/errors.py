@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+from archives import errors as ae
+from handler.engine.errors import InvalidAdapterError as EngineInvalidAdapter
+
 SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -27,16 +30,8 @@ class AdapterLoadError(Exception):
 
 
 def error_code(e: BaseException) -> str:
-    from archives import errors as ae
-
-    try:
-        from handler.engine.engine import InvalidAdapterError as EngineInvalidAdapter
-
-        if isinstance(e, EngineInvalidAdapter):
-            return "invalid_adapter"
-    except ImportError:  # pragma: no cover
-        pass
-
+    if isinstance(e, EngineInvalidAdapter):
+        return "invalid_adapter"
     for cls, code in (
         (ae.SignatureError, "bad_signature"),
         (ae.ChecksumError, "checksum_mismatch"),

@@ -27,6 +27,7 @@ from litestar.exceptions import HTTPException
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from archives.basehash import base_model_hash
 from lorafarm import openai_schemas as oai
 from handler.serving.app import (
     AdminAuthMiddleware,
@@ -37,6 +38,7 @@ from handler.serving.app import (
 )
 from handler.embed.model import EmbeddingBatcher, EmbeddingInputError, Encoder, base64_float32
 from lorafarm.embeddings import EmbeddingsRequestError, parse_embeddings
+from lorafarm.registry_client import RegistryClient, RegistryError
 from lorafarm.schemas import ReplicaState
 
 log = logging.getLogger("lorafarm.replica.embed")
@@ -101,8 +103,6 @@ class EmbedService:
         self.started_at = time.time()
 
     async def start(self) -> None:
-        from archives.basehash import base_model_hash
-
         cfg = self.config
         self.encoder = await asyncio.to_thread(Encoder, cfg.base_dir, cfg.device)
         self.base_model_hash = await asyncio.to_thread(base_model_hash, Path(cfg.base_dir))
@@ -113,8 +113,6 @@ class EmbedService:
                  self.encoder.dimension, self.encoder.max_tokens, "+".join(self.encoder.layout.pooling),
                  ", normalized" if self.encoder.layout.normalize else "")
         if cfg.registry_url:
-            from lorafarm.registry_client import RegistryClient
-
             self.registry = RegistryClient(cfg.registry_url, cfg.admin_token)
             self.tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
 
@@ -138,8 +136,6 @@ class EmbedService:
                             running=b.running if b else 0, tokens_in_flight=b.in_flight_tokens if b else 0)
 
     async def _registry_loop(self) -> None:
-        from lorafarm.registry_client import RegistryError
-
         backoff = self.config.heartbeat_s
         while True:
             try:

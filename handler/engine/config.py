@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from handler.engine.speculate import SPECULATE_MAX_ROWS, SPECULATE_TOKENS
 
 DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names, so that building the CLI's parser needs no torch
 
 
 def _flag(flag: str, help: str, **argparse_kw) -> dict:
@@ -32,7 +33,7 @@ class EngineConfig:
     device: str | None = field(default=None, metadata=_flag(
         "--device", "torch device (default cuda when available, else cpu)"))
     # None: bfloat16 on cuda, float32 on the CPU (`resolved`)
-    dtype: torch.dtype | None = field(default=None, metadata=_flag(
+    dtype: str | None = field(default=None, metadata=_flag(
         "--dtype", "weights dtype (default bfloat16 on cuda, float32 on cpu)", choices=list(DTYPES)))
     # None: max_batch requests of min(max_position_embeddings, 2048) tokens, capped at 2 GiB
     kv_cache_bytes: int | None = field(default=None, metadata=_flag(
@@ -83,16 +84,19 @@ class EngineConfig:
         if self.batch_invariant and (self.compile or self.attention == "paged"):
             raise ValueError("batch_invariant excludes compile and attention 'paged' (padded buckets, a kernel "
                              "whose split depends on the batch)")
-        if isinstance(self.dtype, str):
-            object.__setattr__(self, "dtype", DTYPES[self.dtype])
+        if self.dtype is not None and not isinstance(self.dtype, str):  # a torch.dtype: kept by name
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is not None:
-            return self.dtype
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        """The dtype by name, or where none is set bfloat16 on cuda and float32 elsewhere."""
+        import torch  # lazy: this module is imported to build the CLI's parser, which needs no torch
+
+        return getattr(torch, self.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
     # ------------------------------------------------------------------------------ the CLI
 
@@ -114,8 +118,8 @@ class EngineConfig:
             else:
                 typ = parse_size if meta.pop("size", False) else (str if "choices" in meta or f.name in (
                     "device", "dtype") else int)
-                if f.name == "dtype" and default is not None:
-                    default = next(k for k, v in DTYPES.items() if v == default)
+                if "choices" not in meta:
+                    meta.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
                 parser.add_argument(flag, dest=dest, type=typ, default=default, help=help_, **meta)
 
     @classmethod

@@ -33,6 +33,9 @@ from typing import Any, Mapping
 
 import torch
 
+from handler.grammar.constrained import allowed_tokens, consume, new_matcher
+from handler.model.tensors import to_device
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -132,8 +135,6 @@ class RowState:
         self.generator = make_generator(params, device)
         self.matcher = None
         if params.grammar is not None:
-            from handler.grammar.constrained import new_matcher
-
             self.matcher = new_matcher(params.grammar, tokenizer, vocab_size)
         self.output: list[int] | None = [] if params.counts_output else None
         self.prompt: list[int] | None = list(prompt) if params.repetition_penalty != 1.0 else None
@@ -157,8 +158,6 @@ class RowState:
 
 def _on(t: torch.Tensor, device) -> torch.Tensor:
     """A host-built tensor on `device` without a host sync (pinned, non-blocking on CUDA)."""
-    from handler.model.runner import to_device
-
     return to_device(t, torch.device(device))
 
 
@@ -227,8 +226,6 @@ def apply_grammar(x: torch.Tensor, states: list[RowState]) -> None:
     rows = [i for i, s in enumerate(states) if s.matcher is not None]
     if not rows:
         return
-    from handler.grammar.constrained import allowed_tokens
-
     allowed = _on(allowed_tokens([states[i].matcher for i in rows], x.shape[1]), x.device)
     idx = _rows_tensor(rows, x.device)
     x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~allowed, float("-inf")))
@@ -300,8 +297,6 @@ def sample(
             states[i].logprobs = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
     grammar_rows = [(s.matcher, t) for s, t in zip(states, tokens) if s.matcher is not None]
     if grammar_rows:
-        from handler.grammar.constrained import consume
-
         consume(grammar_rows)
     for s, t in zip(states, tokens):
         s.accept(t, grammar=False)

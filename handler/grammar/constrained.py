@@ -34,6 +34,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from handler.threads import lower_thread_priority
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+
+# the replica's matcher-build thread (GrammarBuilder): 8x a worker's compile thread
+# (handler.grammar.pool.WORKER_STACK_BYTES), a margin over what compiled there
+REPLICA_STACK_BYTES = 64 * 1024**2
 
 # compact JSON with OpenAI's separators: the model cannot spend its tokens on whitespace
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -220,8 +226,6 @@ class GrammarBuilder:
         """Build the llguidance tokenizer and the thread (call once, off the event loop)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from handler.grammar.pool import REPLICA_STACK_BYTES
-
         self.llt = ll_tokenizer(self.tokenizer, self.vocab_size)
         old = threading.stack_size()
         threading.stack_size(REPLICA_STACK_BYTES)
@@ -249,9 +253,7 @@ class GrammarBuilder:
         to the OS instead of staying in the allocator's arenas."""
         import asyncio
 
-        from handler.grammar.pool import _trim
-
-        await asyncio.get_running_loop().run_in_executor(self._pool, _trim)
+        await asyncio.get_running_loop().run_in_executor(self._pool, malloc_trim)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -259,9 +261,18 @@ class GrammarBuilder:
 
 
 def _lower_priority(nice: int) -> None:
-    from handler.threads import lower_thread_priority
-
     lower_thread_priority(nice)
+
+
+def malloc_trim() -> None:
+    """Give the allocator's free memory back to the OS (glibc's malloc_trim; a no-op elsewhere): after
+    a worker's job (handler.grammar.pool) and after the replica's cache evicted matchers."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 _compiled: OrderedDict[tuple[str, int], Any] = OrderedDict()

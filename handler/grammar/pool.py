@@ -60,10 +60,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# a worker builds its grammar strings with constrained's functions; importing it stays light (no
+# torch, llguidance only once called), so a worker is still a small process
+from handler.grammar import constrained
+from handler.grammar.constrained import REPLICA_STACK_BYTES, malloc_trim  # noqa: F401 (importable here too)
+
 log = logging.getLogger("lorafarm.replica.grammar")
 
-WORKER_STACK_BYTES = 8 * 1024**2  # the compile thread in a worker
-REPLICA_STACK_BYTES = 64 * 1024**2  # the replica's matcher-build thread (>= the worker's: margin)
+WORKER_STACK_BYTES = 8 * 1024**2  # the compile thread in a worker (the replica's: REPLICA_STACK_BYTES)
 PROBE_STEPS = 24  # test-run steps per grammar
 MAX_JOBS = 200  # a worker is replaced after this many jobs
 FAULT_ENV = "LORAFARM_TEST_GRAMMAR_FAULT"
@@ -124,15 +128,6 @@ def _rss() -> int:
 
 def _vm_data() -> int:
     return _statm_bytes(5)  # data + stack: what RLIMIT_DATA counts (near enough)
-
-
-def _trim() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _allowed(mask: bytearray, n_vocab: int) -> list[int]:
@@ -235,8 +230,6 @@ class _Compiler:
     def _grammar(self, job: dict) -> tuple[str, list[dict]]:
         """The grammar string, and the JSON schemas to test-run on their own (a tool's parameters,
         which a walk of a tools grammar rarely reaches)."""
-        from handler.grammar import constrained
-
         kind = job["kind"]
         if kind == "json_schema":
             schema = job["schema"]
@@ -268,8 +261,6 @@ class _Compiler:
             raise _Refused(f"the grammar hits a parser limit: {_first_line(err)}", _limit_name(err))
 
     def _compile(self, job: dict) -> dict:
-        from handler.grammar import constrained
-
         t0 = time.perf_counter()
         fault = os.environ.get(FAULT_ENV, "")
         if fault:
@@ -332,7 +323,7 @@ def _worker_main() -> None:
         if job is None:
             return
         answer = compiler.submit(job)
-        _trim()
+        malloc_trim()
         jobs += 1
         grown = _vm_data() - baseline
         answer["recycle"] = jobs >= MAX_JOBS or (budget > 0 and grown > budget // 2)

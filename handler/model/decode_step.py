@@ -8,7 +8,8 @@ adapter delta from the LoRA slot stacks, allocating nothing in Python.
 
 Where it applies (`why_not` says why not otherwise, and the engine keeps the torch path):
 float32 weights on the CPU, the kernels built (handler/model/small_gemm.py), SiLU MLPs, no sliding window,
-LoRA stacks in float32; steps whose rows are all decode rows, at most MAX_ROWS of them.
+LoRA stacks in float32; steps whose rows are all decode rows, at most MAX_ROWS of them; a library whose
+ABI table (constants, `Model` layout, LoRA groups) matches this module's definitions (`abi_mismatch`).
 LORAFARM_DECODE_STEP=0 turns it off.
 
 A row's result does not depend on the other rows of the step (module docstring of the C file); it
@@ -19,6 +20,7 @@ one row count to another.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import torch
@@ -26,12 +28,18 @@ import torch
 from handler.model import small_gemm
 from handler.model.lora import GROUPS
 
-MAX_ROWS = 64  # must match decode_step.c
-_MAX_MODULES = 3  # must match decode_step.c
+log = logging.getLogger(__name__)
+
+# The C side's ABI, mirrored here by hand: MAX_ROWS, MAX_MODULES, the GROUPS order and `_Model`'s layout
+# are checked against the library's own table (`abi_mismatch`) before it is used.
+MAX_ROWS = 64  # decode_step.c MAX_ROWS
+_MAX_MODULES = 3  # decode_step.c MAX_MODULES
 _P = ctypes.c_void_p
 
 
 class _Model(ctypes.Structure):
+    """decode_step.c `Model`, field for field (its size and offsets are checked at load: `abi_mismatch`)."""
+
     _fields_ = [(n, ctypes.c_long) for n in
                 ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "layers", "block_size")] + [
         ("eps", ctypes.c_float),
@@ -42,6 +50,54 @@ class _Model(ctypes.Structure):
         ("pools", ctypes.c_long), ("rank", ctypes.POINTER(ctypes.c_long)),
         ("lora_a", ctypes.POINTER(_P)), ("lora_b", ctypes.POINTER(_P)),
     ]  # fmt: skip
+
+
+class _AbiItem(ctypes.Structure):
+    """decode_step.c `AbiItem`: one (name, value) pair of the library's ABI table."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_long)]
+
+
+def expected_abi() -> dict[str, int]:
+    """The ABI this module's definitions assume, named as decode_step.c's table names it."""
+    want = {"MAX_ROWS": MAX_ROWS, "MAX_MODULES": _MAX_MODULES, "GROUPS": len(GROUPS),
+            # the index arrays passed as `const long *` are int64 tensors
+            "sizeof(long)": torch.empty((), dtype=torch.long).element_size(),
+            "sizeof(Model)": ctypes.sizeof(_Model)}
+    want.update({f"Model.{name}": getattr(_Model, name).offset for name, *_ in _Model._fields_})
+    for g, (name, modules) in enumerate(GROUPS.items()):
+        want[f"group.{name}"] = g
+        want.update({f"group.{name}.{m}": j for j, m in enumerate(modules)})
+    return want
+
+
+def library_abi(lib) -> dict[str, int]:
+    """The ABI table the library reports (decode_step.c `lf_decode_step_abi`)."""
+    fn = lib.lf_decode_step_abi
+    fn.argtypes = [ctypes.POINTER(ctypes.POINTER(_AbiItem))]
+    fn.restype = ctypes.c_long
+    items = ctypes.POINTER(_AbiItem)()
+    n = fn(ctypes.byref(items))
+    return {items[i].name.decode(): items[i].value for i in range(n)}
+
+
+def abi_mismatch(lib=None) -> str | None:
+    """Why the kernels' library (`small_gemm.library()` by default) does not match this module's
+    definitions, naming each item that differs (the library's value first); None when it matches."""
+    lib = small_gemm.library() if lib is None else lib
+    try:
+        have = library_abi(lib)
+    except AttributeError:  # a library built from sources older than the table
+        return "C decode step ABI mismatch: the library has no lf_decode_step_abi"
+    want = expected_abi()
+    names = [*have, *(n for n in want if n not in have)]
+    names.sort(key=lambda n: n in have and n in want)  # an item one side lacks first (a field removed, added)
+    bad = [f"{n} {have.get(n, 'missing')} vs {want.get(n, 'missing')}"
+           for n in names if have.get(n) != want.get(n)]
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+    return f"C decode step ABI mismatch (decode_step.c vs decode_step.py): {'; '.join(bad[:4])}{more}"
 
 
 def _ptrs(tensors) -> ctypes.Array:
@@ -72,6 +128,9 @@ def why_not(runner, kv, lora) -> str | None:
         return "non-contiguous weights"
     if not small_gemm.library():
         return "CPU kernels not built"
+    if why := abi_mismatch():
+        log.warning("%s: decode steps use the torch path", why)
+        return why
     return None
 
 
@@ -80,6 +139,8 @@ class DecodeStep:
     are built once (weights, caches and stacks stay where they are; merge and slot writes happen in place)."""
 
     def __init__(self, runner, kv, lora=None):
+        if why := abi_mismatch():  # `why_not` says so first; never call into a library laid out otherwise
+            raise RuntimeError(why)
         cfg = runner.config
         self.runner, self.kv, self.lora = runner, kv, lora
         L = runner.layers

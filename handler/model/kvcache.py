@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
-from handler.model.runner import to_device, zeroed
 from handler.model.prefix_cache import BlockPool
+from handler.model.tensors import to_device, zeroed
 
 
 class KVCache:

@@ -63,7 +63,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from handler.model.runner import LORA_MODULES, ModelConfig, to_device, zeroed
+from handler.model.runner import LORA_MODULES, ModelConfig
+from handler.model.tensors import to_device, zeroed
 
 # The groups of modules that share an input, in the order their outputs sit in the fused base output.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -298,7 +299,7 @@ class MultiLoRALinear:
         """Allocate zeroed stacks for pools [(rank, slots)]; slot 0 of each pool is the no-adapter slot."""
         n = len(self.modules)
         self.ranks = [r for r, _ in pools]
-        # zero pages nobody wrote take no memory (handler.model.runner.zeroed): slot 0, never read, and
+        # zero pages nobody wrote take no memory (handler.model.tensors.zeroed): slot 0, never read, and
         # slots no adapter has used yet
         shapes = [(s + 1, n * r, self.k) for r, s in pools] + [(s + 1, r, d) for r, s in pools for d in self.d]
         stacks = zeroed(shapes, dtype, device)

@@ -23,6 +23,10 @@ benchmarks (and for revisiting the rule), never at start-up.
 The block-table buffer `kv_idx` is persistent (`DecodeTables`): the kernel needs it as wide as the
 pool, so it is allocated once per cache and only the first `nb` columns of the step's rows are
 written each step, from pinned host memory with a non-blocking copy.
+
+Imports go one way: this module imports the runner and the KV cache (the probe runs the runner's
+gathered path on a real cache); the runner never imports this module, it calls the kernel through
+the `PagedDecode` that the `DecodeTables` handed to `build_step_batch` built (`PagedDecode.attend`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from handler.model.kvcache import KVCache
+from handler.model.runner import attend_group, build_step_batch
+from handler.model.tensors import to_device
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +118,11 @@ class PagedDecode:
     windows: dict  # window (None or int) -> WindowTables
     block_size: int
 
+    def attend(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, window) -> torch.Tensor:
+        """`attend` with this metadata: how the runner (which does not import this module) calls the
+        kernel for a "paged" group."""
+        return attend(q, k_layer, v_layer, self, window)
+
 
 class DecodeTables:
     """Persistent block-table buffers of one KV cache (one per window of the model), written once
@@ -162,8 +175,6 @@ def _rows(values: list[int], device: torch.device, dtype: torch.dtype = torch.in
     """One tensor of its own per operand (views into a shared one would add storage-offset guards
     to the compiled kernel). The mask's operands are int64 like the kernel's kv index (an int32
     operand makes inductor's CPU template emit a vector cast that does not compile for some shapes)."""
-    from handler.model.runner import to_device
-
     return _mark_rows(to_device(torch.tensor(values, dtype=dtype), device))
 
 
@@ -257,9 +268,6 @@ def _cached(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows,
 
 
 def _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed: bool) -> Probe:
-    from handler.model.kvcache import KVCache
-    from handler.model.runner import attend_group, build_step_batch
-
     g = torch.Generator().manual_seed(0)
     n_rows = max(rows, 32)
     kv = KVCache(1, kv_heads, head_dim, n_rows * 28, block_size, dtype, device)

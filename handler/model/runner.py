@@ -30,9 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from handler.model import paged_attention
-
+from archives.safetensors_header import read_file_header
 from handler.model import small_gemm
+from handler.model.kvcache import KVCache
+from handler.model.tensors import to_device, zeroed  # noqa: F401 - zeroed: importable from here as before
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,6 @@ class Checkpoint:
     """
 
     def __init__(self, model_dir: str | Path):
-        from archives.safetensors_header import read_file_header
-
         self.index: dict[str, tuple[Path, Any]] = {}
         for path in checkpoint_files(model_dir):
             try:
@@ -337,40 +336,6 @@ _ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": l
 
 
 # --------------------------------------------------------------------------------- batch metadata
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: on CUDA through pinned memory with a non-blocking copy (the
-    copy is ordered on the current stream before any kernel that reads it; no host sync)."""
-    if device.type == "cpu":
-        return t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def zeroed(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """Zero tensors of these shapes. On the CPU they are views of one anonymous memory mapping, which
-    the kernel zero-fills page by page on first touch: a page nobody writes takes no memory, where
-    `torch.zeros` writes (and so keeps resident) every byte at once. For the LoRA slot stacks that is
-    slot 0 of every pool (the no-adapter slot: the kernels never read it) and the slots no adapter
-    has used yet: SmolLM2 in float32 allocated 345 MiB of stacks for the 205 MiB of slots the sizing
-    counts, 140 MiB of it slot 0."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
-    import mmap
-
-    item = torch.empty((), dtype=dtype).element_size()
-    align = max(64, item)
-    offsets, total = [], 0
-    for s in shapes:
-        offsets.append(total)
-        total += -(-math.prod(s) * item // align) * align
-    if total == 0:
-        return [torch.zeros(s, dtype=dtype) for s in shapes]
-    flat = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8)  # keeps the mapping alive
-    return [flat[o:o + math.prod(s) * item].view(dtype).view(s) for o, s in zip(offsets, shapes)]
 
 
 class StepBuffers:
@@ -630,7 +595,9 @@ def attend_group(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     KVH = kv.num_kv_heads
     gqa = KVH != H
     if g.kind == "paged":
-        return paged_attention.attend(q, kv.k[layer], kv.v[layer], g.paged, window)
+        # the paged kernel, through the PagedDecode the injected DecodeTables built (the runner does not
+        # import handler.model.paged_attention: that module's self-check runs this runner's gathered path)
+        return g.paged.attend(q, kv.k[layer], kv.v[layer], window)
     if g.kind == "self":
         B, L = g.num_seqs, g.max_q
         qb = q.view(B, L, H, D).transpose(1, 2)
@@ -955,8 +922,6 @@ class Runner:
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor | list, lora_slots: list[int] | None = None) -> torch.Tensor:
         """Full-sequence logits [B, L, V] (float32) of equal-length rows, on a scratch KV cache."""
-        from handler.model.kvcache import KVCache
-
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)

@@ -65,6 +65,8 @@ def build(out_dir: Path | None = None) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    # keyed by every source's bytes: a library built from other sources is never reused (and the C decode
+    # step's ABI table is checked at load besides: handler/model/decode_step.py `abi_mismatch`)
     src = b"\0".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(src + "\0".join([cc, *FLAGS, *LIBS]).encode()).hexdigest()[:16]
     d = out_dir or _cache_dir()

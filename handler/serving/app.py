@@ -1,5 +1,7 @@
-"""The replica's HTTP service (Litestar on uvicorn): OpenAI-compatible completions over the
-`LoraHandler`, the internal load/unload/state API the router and registry use, health and metrics.
+"""The replica's HTTP service (Litestar on uvicorn): OpenAI-compatible completions through the
+`LoraHandler` (`handler.serving.handler`: every step of a completion is there; the routes here only
+read the request and answer), the internal load/unload/state API the router and registry use, health
+and metrics.
 
     app = create_app(ReplicaConfig(replica_id="r0", base_dir=Path("models/dev")))
 
@@ -17,88 +19,36 @@ import hmac
 import json
 import logging
 import os
+import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
-import torch
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from lorafarm import openai_schemas as oai
+from archives.basehash import base_model_hash
+from archives.extract import extract_archive
+from archives.keys import load_public_keys
+from archives.store import open_store
 from handler.adapters.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
-from handler.serving.handler import Generation, HandlerContext, Limits, LoraHandler, load_error_to_openai
+from handler.adapters.retire import Retirer
+from handler.serving.config import Limits, ReplicaConfig
+from handler.serving.handler import GenerationRequest, HandlerContext, LoraHandler, load_error_to_openai, not_ready
 from handler.serving.metrics import CONTENT_TYPE, ReplicaMetrics
-from handler.engine.speculate import SPECULATE_TOKENS
+from lorafarm import openai_schemas as oai
+from lorafarm.accesslog import access_log_middleware, quiet_polling_loggers
 from lorafarm.openapi import openapi_config
-from lorafarm.serving import ClientGone, unless_disconnected
+from lorafarm.registry_client import RegistryClient, RegistryError
+from lorafarm.serving import ClientGone, serve, unless_disconnected
+
+__all__ = ["ReplicaConfig", "Limits", "ReplicaService", "create_app", "run", "AdminAuthMiddleware"]
 
 log = logging.getLogger("lorafarm.replica")
 
 PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/schema/openapi.json")
 OPENAPI_BODIES = {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest}
-
-
-@dataclass
-class ReplicaConfig:
-    """Everything `lorafarm replica` configures (see `handler.serving.cli`)."""
-
-    base_dir: Path
-    replica_id: str = "r0"
-    model_name: str | None = None  # default: the base folder's name
-    host: str = "127.0.0.1"
-    port: int = 8200
-    advertise_url: str | None = None  # what the registry hands the router; default http://host:port
-    registry_url: str | None = None  # None: standalone
-    admin_token: str | None = None
-    store_url: str | None = None
-    s3_endpoint_url: str | None = None
-    trust: list[Path] = field(default_factory=list)
-    adapter_catalog: Path | None = None  # standalone: JSON {adapter_id: weights_uri} into the store
-    slots: int = 8
-    rank_pools: dict[int, int] | None = None
-    ram_bytes: int = 4 * 1024**3
-    load_nice: int = 10  # CPU priority (nice) of adapter-load threads: below the decode loop's
-    disk_bytes: int = 32 * 1024**3
-    disk_dir: Path | None = None  # default var/replicas/<id>
-    kv_cache_bytes: int | None = None
-    device: str | None = None
-    dtype: str = "float32"
-    merged_adapter: str | None = None
-    limits: Limits = field(default_factory=Limits)
-    heartbeat_s: float = 1.0
-    placements_refresh_s: float = 30.0  # re-read owned adapters (placements move as replicas come and go)
-    prewarm: int | None = None  # owned adapters to pre-warm into slots (default: one pool's slots)
-    attention: str = "auto"  # decode attention: auto | paged | gather (handler.engine.engine.Engine)
-    compile: bool = False  # torch.compile the layer pieces of decode steps (CUDA graphs on cuda)
-    batch_invariant: bool = False  # a row's arithmetic independent of the batch (handler.engine.engine.Engine)
-    prefix_cache: bool = True  # reuse the KV of identical prompt prefixes, per tenant and adapter
-    speculate: int = SPECULATE_TOKENS  # n-gram draft tokens per greedy request and step (0: off; handler.engine.speculate)
-    pull_owned: bool = True
-    prefetch_interval_s: float = 0.0  # pre-warm the most requested adapters this often (0: never; CLI default 10)
-    prefetch_top: int = 16  # how many of the most requested adapters to keep warm
-    shutdown_grace_s: float = 10.0  # SIGTERM: streams in flight get this long to finish
-    # liveness (issue 26): a stream whose request still waits (adapter, queue, prefill) gets an SSE
-    # comment `: keep-alive` this often, so the router's read timeout measures silence, not time to
-    # first token; 0: never
-    stream_keepalive_s: float = 2.0
-    # admission: shed with 503 overloaded + Retry-After *before* accepting when the engine's remaining
-    # work (unprefilled prompt + tokens still to generate, waiting and running) plus this request's
-    # would pass this many tokens; 0: no token bound (the waiting-queue cap still applies: 429)
-    max_queued_tokens: int = 65536
-    shed_retry_after_s: int = 1
-
-    def resolved_model_name(self) -> str:
-        return self.model_name or Path(self.base_dir).resolve().name
-
-    def resolved_disk_dir(self) -> Path:
-        return Path(self.disk_dir) if self.disk_dir else Path("var") / "replicas" / self.replica_id
-
-    def url(self) -> str:
-        return self.advertise_url or f"http://{self.host}:{self.port}"
 
 
 # ------------------------------------------------------------------------------ errors and auth
@@ -174,8 +124,7 @@ class ReplicaService:
         self.metrics = ReplicaMetrics(config.replica_id, config.resolved_model_name())
         self.registry = None
         self.store = None
-        self.ready = False
-        self.draining = False
+        self.ready = False  # serving: started and not draining (the routes' front door, /health)
         self.joined = False
         self.tasks: list[asyncio.Task] = []
         self.pull_done = asyncio.Event()
@@ -185,18 +134,10 @@ class ReplicaService:
 
     async def start(self) -> None:
         cfg = self.config
-        trusted = []
-        if cfg.trust:
-            from archives.keys import load_public_keys
-
-            trusted = load_public_keys([str(p) for p in cfg.trust])
+        trusted = load_public_keys([str(p) for p in cfg.trust]) if cfg.trust else []
         if cfg.store_url:
-            from archives.store import open_store
-
             self.store = open_store(cfg.store_url, endpoint_url=cfg.s3_endpoint_url)
         if cfg.registry_url:
-            from lorafarm.registry_client import RegistryClient
-
             self.registry = RegistryClient(cfg.registry_url, cfg.admin_token)
             source = RegistrySource(self.registry, self.store)
         elif cfg.adapter_catalog:
@@ -205,14 +146,11 @@ class ReplicaService:
             source = CatalogSource.load(cfg.adapter_catalog, self.store)
         else:
             source = NoSource()
-        dtype = getattr(torch, cfg.dtype)
         ctx = HandlerContext(
             model_dir=Path(cfg.base_dir), model_name=cfg.resolved_model_name(), replica_id=cfg.replica_id,
-            device=cfg.device, dtype=dtype, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots,
-            rank_pools=cfg.rank_pools, kv_cache_bytes=cfg.kv_cache_bytes, disk_dir=cfg.resolved_disk_dir(),
-            ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes, load_nice=cfg.load_nice, trusted_keys=trusted,
-            source=source, merged_adapter=cfg.merged_adapter, attention=cfg.attention, compile=cfg.compile,
-            batch_invariant=cfg.batch_invariant, prefix_cache=cfg.prefix_cache, speculate=cfg.speculate)
+            engine=cfg.engine, limits=cfg.limits, metrics=self.metrics, slots=cfg.slots, rank_pools=cfg.rank_pools,
+            disk_dir=cfg.resolved_disk_dir(), ram_bytes=cfg.ram_bytes, disk_bytes=cfg.disk_bytes,
+            load_nice=cfg.load_nice, trusted_keys=trusted, source=source, merged_adapter=cfg.merged_adapter)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
         await asyncio.to_thread(self.handler.initialize, ctx)
@@ -221,8 +159,6 @@ class ReplicaService:
         if cfg.prefetch_interval_s > 0 and not cfg.merged_adapter:
             self.tasks.append(asyncio.create_task(self._prefetch_loop(), name="prefetch"))
         if self.registry is not None:
-            from handler.adapters.retire import Retirer
-
             self.tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
             self.retirer = Retirer(self.registry, self.handler.cache, interval_s=max(1.0, cfg.heartbeat_s))
             self.tasks.append(asyncio.create_task(self.retirer.run(), name="retire"))
@@ -245,9 +181,6 @@ class ReplicaService:
 
     async def _fetch_merged(self, ctx: HandlerContext, source, trusted) -> Path:
         """Merged mode: fetch and verify the adapter before the engine is built."""
-        from archives.basehash import base_model_hash
-        from archives.extract import extract_archive
-
         aid = ctx.merged_adapter
         base_hash = await asyncio.to_thread(base_model_hash, ctx.model_dir)
         dest = ctx.disk_dir / "merged" / aid
@@ -256,8 +189,6 @@ class ReplicaService:
         if not await source.exists(aid):
             raise RuntimeError(f"merged adapter {aid} is not known to the registry/catalog")
         got = await source.fetch(aid, lar) or lar  # a local store hands back its own file, read in place
-        import shutil
-
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         await asyncio.to_thread(extract_archive, got, dest, trusted, base_model_hash=base_hash,
@@ -291,8 +222,6 @@ class ReplicaService:
         log.info("joined the registry at %s as %s", self.config.registry_url, self.config.replica_id)
 
     async def _registry_loop(self) -> None:
-        from lorafarm.registry_client import RegistryError
-
         pull: asyncio.Task | None = None
         last_pull = 0.0
         backoff = self.config.heartbeat_s
@@ -366,9 +295,8 @@ class ReplicaService:
 
 def _service(request: Request) -> ReplicaService:
     svc: ReplicaService = request.app.state.replica
-    if not svc.ready:
-        raise oai.OpenAIError(503, "The replica is starting.", type="server_error", code="not_ready",
-                              headers={"Retry-After": "1"})
+    if not svc.ready:  # starting, or draining: nothing is read
+        raise not_ready()
     return svc
 
 
@@ -386,207 +314,39 @@ def _disconnected_handler(_: Request, exc: ClientDisconnected) -> Response:
 async def _or_disconnect(request: Request, coro):
     """Run `coro`; if the client disconnects first, cancel it and raise ClientDisconnected."""
     try:
-        return await unless_disconnected(request.receive, coro, discard=_abandon)
+        return await unless_disconnected(request.receive, coro)
     except ClientGone:
         raise ClientDisconnected() from None
 
 
-def _abandon(result) -> None:
-    if isinstance(result, Generation):  # it finished just as the client left
-        result.abandon()
-
-
 async def _complete(request: Request, kind: str) -> Response | Stream:
-    svc = _service(request)
-    h = svc.handler
-    raw = await request.body()
-    greq = await h.preprocess(kind, raw, request.headers.get("x-lorafarm-tenant") or None)
-    echo = request.headers.get("x-lorafarm-model-name", "")
-    if echo and len(echo) <= 256 and echo.isprintable():  # the router's requested name (an alias): echo it
-        greq.model = echo
-    _admit(svc, greq)
-    headers = {"x-adapter-id": greq.adapter_id or greq.model, "x-adapter-tier": greq.tier,
-               "x-request-id": greq.request_id}
-    keepalive = svc.config.stream_keepalive_s
-    # admission (adapter load, engine queue): a stream waits for it up to one keep-alive interval, so
-    # that its errors (404, 422, 503: the router fails those over) keep their HTTP status; past that the
-    # stream is committed and keep-alives flow while it waits. A non-streamed request waits for it whole.
-    pending: asyncio.Future | None = asyncio.ensure_future(h.inference(greq))
+    """The handler's steps: preprocess, admit (shed), inference, then postprocess (the whole answer)
+    or stream (SSE). A stream waits for its admission (adapter load, engine refusal) up to one
+    keep-alive interval, so that its errors (404, 422, 503: the router fails those over) keep their
+    HTTP status; past that it is committed and keep-alives flow while it waits. A client that leaves
+    cancels its request wherever it is (counted cancelled; answered 499)."""
+    h = _service(request).handler
+    greq = await h.preprocess(kind, await request.body(), request.headers.get("x-lorafarm-tenant") or None,
+                              request.headers.get("x-lorafarm-model-name"))
+    h.admit(greq)
+    gen = h.inference(greq)
     try:
-        await _or_disconnect(request, asyncio.wait({pending}, timeout=keepalive if greq.stream and keepalive > 0
-                                                   else None))
-    except ClientDisconnected:
-        _drop_pending(svc, greq, pending)  # counted as cancelled, whether or not it reached the engine
-        raise
-    gen: Generation | None = None
-    if pending.done():
-        gen, pending = pending.result(), None  # an admission error is raised here, with its status
-    if not greq.stream:
-        try:
+        if not greq.stream:
             body = await _or_disconnect(request, h.postprocess(greq, gen))
-        finally:
-            gen.abandon()
-        return _json_response(200, body, headers)
-    return Stream(_sse(greq, gen, h.token_text, pending=pending, keepalive_s=keepalive,
-                       svc=svc),
-                  media_type="text/event-stream",
-                  headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
-
-
-KEEPALIVE = b": keep-alive\n\n"
-
-
-def _admit(svc: ReplicaService, greq) -> None:
-    """Shed before accepting (issue 26): 429 queue_full above the waiting-queue cap; 503 overloaded
-    with Retry-After when the engine's remaining work plus this request's passes
-    `max_queued_tokens` (a lone request is always admitted). The router fails both over to another
-    replica, or hands the client the status and its Retry-After."""
-    h = svc.handler
-    h.check_capacity()
-    limit = svc.config.max_queued_tokens
-    if limit <= 0:
-        return
-    st = h.engine.stats()
-    queued = int(st.tokens_in_flight)
-    cost = len(greq.prompt_ids) + int(greq.max_tokens or 0) * int(greq.n or 1)
-    if queued and queued + cost > limit:
-        raise oai.OpenAIError(
-            503, f"The replica is overloaded ({queued} tokens of work queued, limit {limit}); retry shortly.",
-            type="server_error", code="overloaded", headers={"Retry-After": str(svc.config.shed_retry_after_s)})
-
-
-def _count_cancelled(svc: ReplicaService, greq) -> None:
-    """A request whose client left before it reached the engine is counted as cancelled too (the
-    engine's cancel counts the others): a 499 is always a cancelled request in the metrics."""
-    from handler.serving.metrics import RequestTimer
-
-    RequestTimer(svc.metrics, greq.tier).on_finish("cancelled", len(greq.prompt_ids), 0)
-
-
-def _drop_pending(svc: ReplicaService, greq, pending: asyncio.Future) -> None:
-    """The client left while its admission was pending: cancel it; a generation that got through
-    anyway is abandoned (which counts it cancelled), else the request is counted cancelled here."""
-    if pending.done():
-        if not pending.cancelled() and pending.exception() is None:
-            pending.result().abandon()
-        return
-    pending.cancel()
-
-    def after(f: asyncio.Future) -> None:
-        if not f.cancelled() and f.exception() is None:
-            f.result().abandon()
-        else:
-            _count_cancelled(svc, greq)
-
-    pending.add_done_callback(after)
-
-
-async def _sse(greq, gen: Generation | None, token_text, *, pending: asyncio.Future | None = None,
-               keepalive_s: float = 0.0, svc: ReplicaService | None = None) -> AsyncIterator[bytes]:
-    """The stream of a generation: per choice (`index`) a role chunk (chat), content (or text)
-    chunks with their logprobs, tool calls as `tool_calls` deltas once complete, and a finish chunk;
-    then the usage chunk (on request) and [DONE]. While the request waits (admission still
-    `pending`: adapter load, engine queue; then prefill or a slow step) a `: keep-alive` SSE comment
-    goes out every `keepalive_s` (OpenAI clients ignore comments)."""
-    from handler.grammar.constrained import ToolCallStream
-
-    rid, model, created = greq.response_id, greq.model, greq.created
-    chat = greq.kind == "chat"
-    want_lp = greq.body.n_logprobs is not None
-    tools = [ToolCallStream(oai.new_call_id) for _ in range(greq.n)] if chat and greq.tool_mode else None
-    called = [False] * greq.n
-
-    def lp_obj(entries):
-        if not want_lp or entries is None:
-            return None
-        return oai.chat_logprobs(entries, token_text) if chat else oai.completion_logprobs(entries, token_text)
-
-    def chunks(i: int, text: str, entries, finish: str | None):
-        if not chat:
-            if text or finish or entries:
-                yield oai.completion_chunk(rid, model, created, text=text, finish_reason=finish, index=i,
-                                           logprobs=lp_obj(entries))
-            return
-        calls = []
-        if tools is not None:
-            text, calls = tools[i].feed(text) if not finish else _join(tools[i].feed(text), tools[i].close())
-        if text or entries:
-            yield oai.chat_chunk(rid, model, created, content=text, index=i, logprobs=lp_obj(entries))
-        if calls:
-            called[i] = True
-            yield oai.chat_chunk(rid, model, created, index=i, tool_calls=[
-                {"index": k, "id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-                for k, cid, name, args in calls])
-        if finish:
-            if called[i] and finish == "stop":
-                finish = "tool_calls"
-            yield oai.chat_chunk(rid, model, created, index=i, finish_reason=finish)
-
-    pump: asyncio.Task | None = None
-    try:
-        if chat:
-            for i in range(greq.n):
-                yield oai.sse(oai.chat_chunk(rid, model, created, content="", role=True, index=i))
-        if pending is not None:
-            while not pending.done():
-                await asyncio.wait({pending}, timeout=keepalive_s)
-                if not pending.done():
-                    yield KEEPALIVE
-            gen, pending = pending.result(), None  # an admission error becomes an error event
-        if keepalive_s > 0:
-            # the generation is read by a pump task, so that waiting for the next delta can time out
-            # (a keep-alive) without cancelling the generation's own iterator
-            deltas: asyncio.Queue = asyncio.Queue()
-            pump = asyncio.ensure_future(_pump(gen, deltas))
-            while True:
-                try:
-                    async with asyncio.timeout(keepalive_s):
-                        d = await deltas.get()
-                except TimeoutError:
-                    yield KEEPALIVE
-                    continue
-                if d is _END:
-                    break
-                if isinstance(d, BaseException):
-                    raise d
-                for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
-                    yield oai.sse(obj)
-        else:
-            async for d in gen:
-                for obj in chunks(d.index, d.text, d.logprobs, d.finish_reason):
-                    yield oai.sse(obj)
-        if greq.include_usage:
-            yield oai.sse(oai.usage_chunk(greq.kind, rid, model, created, gen.prompt_tokens, gen.completion_tokens,
-                                                gen.cached_tokens))
-        yield oai.SSE_DONE
-    except oai.OpenAIError as e:
-        yield oai.sse_error(e)
-        yield oai.SSE_DONE
-    finally:
-        if pump is not None and not pump.done():
-            pump.cancel()
-        if pending is not None and svc is not None:
-            _drop_pending(svc, greq, pending)  # the client left while it still waited for admission
-        if gen is not None:
-            gen.abandon()  # no-op when it finished; cancels the engine request when the client left
-
-
-_END = object()
-
-
-async def _pump(gen: Generation, out: asyncio.Queue) -> None:
-    try:
-        async for d in gen:
-            out.put_nowait(d)
-        out.put_nowait(_END)
-    except asyncio.CancelledError:
+            return _json_response(200, body, _headers(greq))
+        keepalive = h.context.limits.stream_keepalive_s
+        await _or_disconnect(request, gen.admitted(keepalive if keepalive > 0 else None))
+    except BaseException:
+        gen.abandon()  # no-op once it ended or failed admission
         raise
-    except BaseException as e:  # an OpenAIError (generation failed) is re-raised by the stream
-        out.put_nowait(e)
+    return Stream(h.stream(greq, gen), media_type="text/event-stream",
+                  headers={**_headers(greq), "cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-def _join(a: tuple[str, list], b: tuple[str, list]) -> tuple[str, list]:
-    return a[0] + b[0], a[1] + b[1]
+def _headers(greq: GenerationRequest) -> dict[str, str]:
+    """What the answer's headers say about it: the adapter, the tier it was found in, its id."""
+    return {"x-adapter-id": greq.adapter_id or greq.model, "x-adapter-tier": greq.tier,
+            "x-request-id": greq.request_id}
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -692,7 +452,7 @@ async def ready(request: Request) -> Response:
     and RAM, the first ones mounted) is done; 503 while starting or draining."""
     svc: ReplicaService = request.app.state.replica
     if not svc.ready or not svc.pull_done.is_set():
-        status = "draining" if svc.draining else "starting" if not svc.ready else "warming"
+        status = "draining" if svc.handler.draining else "starting" if not svc.ready else "warming"
         return _json_response(503, {"status": status, "replica_id": svc.config.replica_id})
     return _json_response(200, {"status": "ready", "replica_id": svc.config.replica_id, "joined": svc.joined})
 
@@ -703,7 +463,7 @@ async def drain(request: Request) -> Response:
     take this replica out); requests in flight finish. SIGTERM follows."""
     svc: ReplicaService = request.app.state.replica
     svc.ready = False
-    svc.draining = True
+    svc.handler.draining = True  # its admission refuses the requests already past the front door
     return _json_response(200, {"status": "draining", "replica_id": svc.config.replica_id,
                                 "waiting": svc.handler.waiting() if svc.handler.initialized else 0})
 
@@ -731,8 +491,6 @@ def create_app(config: ReplicaConfig) -> Litestar:
         finally:
             await service.stop()
 
-    from lorafarm.accesslog import access_log_middleware
-
     middleware = [access_log_middleware("replica")]
     if config.admin_token:
         token = config.admin_token
@@ -757,9 +515,6 @@ def create_app(config: ReplicaConfig) -> Litestar:
 
 def run(config: ReplicaConfig, log_level: str = "info") -> None:
     """Serve with uvicorn until SIGINT/SIGTERM."""
-    from lorafarm.accesslog import quiet_polling_loggers
-    from lorafarm.serving import serve
-
     logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_polling_loggers()

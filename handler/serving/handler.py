@@ -1,16 +1,18 @@
-"""`LoraHandler`: the replica's model handler, with TorchServe's lifecycle.
+"""`LoraHandler`: the replica's model handler, with TorchServe's lifecycle, and the one path every
+completion takes through the replica (the HTTP routes in `handler.serving.app` only parse and answer).
 
     handler = LoraHandler()
     handler.initialize(context)          # load the base, hash it, start the engine thread
-    await handler.start()                # adapter cache (disk scan, thread pools)
+    await handler.start()                # adapter cache (disk scan, thread pools), grammar workers
     greq = await handler.preprocess("chat", body)      # validate, resolve model, tokenize, limits
-    gen = await handler.inference(greq)                # take the adapter (load if cold), submit
-    async for delta in gen: ...                        # text deltas as the engine produces them
+    handler.admit(greq)                                # shed: draining, queue cap, token bound
+    gen = handler.inference(greq)                      # take the adapter (load if cold), submit
     resp = await handler.postprocess(greq, gen)        # OpenAI response object (non-streaming)
-    [resp] = await handler.handle([body], context)     # all of the above for a batch of bodies
+    async for chunk in handler.stream(greq, gen): ...  # or its SSE body, keep-alives included
+    [resp] = await handler.handle([body])              # all of the above for a batch of bodies
 
-`HandlerContext` carries what TorchServe's context does (model dir, device, limits) plus the
-metrics and cache settings. The HTTP app (`handler.serving.app`) drives the same steps and adds streaming.
+`HandlerContext` carries what TorchServe's context does (model dir, limits, metrics) plus the engine
+settings (`EngineConfig`, whole) and the adapter cache's.
 """
 
 from __future__ import annotations
@@ -23,58 +25,56 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-import torch
+from safetensors.torch import load_file
 
-from lorafarm import openai_schemas as oai
-from handler.adapters.cache import AdapterCache, AdapterLoadError, AdapterNotFoundError, AdapterSource
+from archives.basehash import base_model_hash, read_base_config
+from handler.adapters.cache import (
+    AdapterCache,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    AdapterSource,
+    check_adapter_tensors,
+)
+from handler.engine.config import DEFAULT_RANK_POOLS, EngineConfig
+from handler.engine.engine import Engine, InvalidRequestError
+from handler.engine.sampling import SamplingParams
+from handler.grammar import constrained
+from handler.grammar.constrained import ToolCallStream, parse_tool_calls
+from handler.grammar.pool import GrammarBusy, GrammarError, GrammarPool
+from handler.grammar.tools_prompt import render_messages
+from handler.model.merge import MergedAdapter
+from handler.serving.config import REPLICA_ENGINE, Limits
 from handler.serving.metrics import ReplicaMetrics, RequestTimer
-from handler.engine.speculate import SPECULATE_TOKENS
+from lorafarm import openai_schemas as oai
+from lorafarm.schemas import HeldAdapter, ReplicaState
+
+__all__ = ["LoraHandler", "HandlerContext", "Limits", "GenerationRequest", "Generation", "Delta", "KEEPALIVE",
+           "load_error_to_openai", "not_ready"]
 
 log = logging.getLogger("lorafarm.replica")
 reqlog = logging.getLogger("lorafarm.replica.requests")
 
-DEFAULT_RANK_POOLS = (8, 16, 32, 64)
-
-
-@dataclass
-class Limits:
-    """Request and resource limits of one replica."""
-
-    max_body_bytes: int = 1024 * 1024  # request body cap (413 above)
-    max_waiting: int = 256  # requests waiting for an adapter or a batch place (429 above)
-    default_max_tokens: int = 512  # chat default when the client sends no max_tokens
-    rank_limit: int = 64  # the fleet's rank limit: larger adapters are refused at load
-    max_batch: int = 32
-    max_prefill_tokens: int = 2048  # vLLM's CPU API-server default (max_num_batched_tokens): a burst prefills in one step
-    cancel_grace_s: float = 5.0  # after a cancel, how long to wait for the engine to let go
-    load_timeout_s: float = 30.0  # the load endpoint answers 202 (still loading) after this
-    # untrusted grammar work (handler.grammar.pool): worker processes, per-compile limits, cache
-    grammar_workers: int = 2
-    grammar_timeout_s: float = 4.0  # x2 (worker compile + the replica's build) < the router's first-byte timeout
-    grammar_memory_bytes: int = 1024**3
-    grammar_cache_bytes: int = 256 * 1024**2  # compiled matchers in the replica; a tenant gets 1/4
-    prep_inline_bytes: int = 16 * 1024  # bodies above this are tokenized off the event loop
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: OpenAI clients ignore it, the router's read timeout sees bytes
 
 
 @dataclass
 class HandlerContext:
-    """What `initialize` needs: TorchServe's context (model dir, device, limits, metrics) plus the
-    cache configuration."""
+    """What `initialize` needs: TorchServe's context (model dir, limits, metrics), the engine's
+    settings (whole: `Engine(model_dir, engine.replace(...))`) and the adapter cache's."""
 
     model_dir: Path
     model_name: str
     replica_id: str = "r0"
-    device: str | None = None
-    dtype: torch.dtype = torch.float32
+    engine: EngineConfig = REPLICA_ENGINE
     limits: Limits = field(default_factory=Limits)
     metrics: ReplicaMetrics | None = None
     slots: int = 8  # device slots per rank pool
     rank_pools: dict[int, int] | None = None  # overrides `slots`: {pool rank: slots}
-    kv_cache_bytes: int | None = None
     disk_dir: Path = Path("var/replica")
     ram_bytes: int = 4 * 1024**3
     load_nice: int = 10  # nice of the adapter-load threads (handler.threads.lower_thread_priority)
@@ -83,18 +83,13 @@ class HandlerContext:
     source: AdapterSource | None = None
     merged_adapter: str | None = None  # adapter id merged into the base weights (merged mode)
     merged_adapter_dir: Path | None = None  # its verified PEFT folder (set by the app)
-    attention: str = "auto"  # decode attention: auto | paged | gather
-    compile: bool = False  # torch.compile'd layer pieces for decode steps
-    batch_invariant: bool = False  # Engine(batch_invariant=True)
-    prefix_cache: bool = True  # Engine(prefix_cache=True): reuse KV of identical prefixes, per tenant
-    speculate: int = SPECULATE_TOKENS  # Engine(speculate=): n-gram draft tokens per greedy request and step
 
 
 @dataclass
 class GenerationRequest:
     kind: str  # "chat" | "completion"
     body: Any  # the validated OpenAI request
-    model: str  # as the client named it
+    model: str  # as the client named it (or the router's alias for it)
     adapter_id: str | None  # None: the base (or merged) model
     prompt_ids: list[int]
     max_tokens: int
@@ -139,23 +134,32 @@ class _Choice:
 
 
 class Generation:
-    """One request in flight: an async iterator of `Delta`s over its n choices (each Delta names its
-    choice); `usage` and `finish_reason` are set once it ends. The n choices are n engine requests on
-    the same prompt (choice 0 has the request's id, choice i the id + f".{i}"). Closing it early
-    (`aclose`, or the HTTP client going away) cancels the request."""
+    """One request from admission to its end: an async iterator of `Delta`s over its n choices (each
+    Delta names its choice); the token counts and `finish_reason` are set once it ends.
 
-    def __init__(self, handler: LoraHandler, greq: GenerationRequest, timer: RequestTimer):
+    Admission starts with it (`LoraHandler.inference`), as a task: the adapter is taken (loaded if
+    cold: only this request's adapter is waited for), then the n choices go to the engine as n
+    requests on the same prompt (choice 0 has the request's id, choice i the id + f".{i}"). An
+    admission error (404, 422, 503) is raised by `admitted` and by the iterator; a request that never
+    reached the engine counts nowhere. Closing it early (`abandon`: the consumer stopped, the HTTP
+    client went away) cancels it wherever it is, waiting for its adapter or in the engine, and counts
+    it cancelled."""
+
+    def __init__(self, handler: LoraHandler, greq: GenerationRequest):
         self.h = handler
         self.greq = greq
-        self.timer = timer
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.timer = RequestTimer(handler.metrics, greq.tier)
+        self.queue: asyncio.Queue = asyncio.Queue()  # engine events, or the admission error
         self.prompt_tokens = len(greq.prompt_ids)
         self.cached_tokens = 0  # prompt tokens the prefix cache saved (the most any choice got)
         self.choices = [_Choice(greq.request_id if i == 0 else f"{greq.request_id}.{i}") for i in range(greq.n)]
+        self.error: BaseException | None = None  # why admission failed
         self._index = {c.engine_id: i for i, c in enumerate(self.choices)}
-        self._engine_open = {c.engine_id for c in self.choices}  # no final event from the engine yet
-        self._done = False  # every choice ended (or we stopped listening)
+        self._engine_open: set[str] = set()  # submitted choices without a final event from the engine yet
+        self._holds_adapter = False  # a reference on the adapter in the cache, dropped by `_release`
+        self._done = False  # every choice ended, or we stopped listening
         self._released = False
+        self._admission = asyncio.ensure_future(self._admit())
 
     @property
     def completion_tokens(self) -> int:
@@ -166,8 +170,59 @@ class Generation:
         return self.choices[0].finish_reason
 
     @property
-    def text_parts(self) -> list[str]:
-        return self.choices[0].text_parts
+    def text(self) -> str:
+        return self.choices[0].text
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        h, greq = self.h, self.greq
+        try:
+            if h._uses_cache(greq):
+                h._waiting_for_adapter += 1
+                try:
+                    await h.cache.acquire(greq.adapter_id)
+                except AdapterNotFoundError:
+                    raise oai.model_not_found(greq.model) from None
+                except AdapterLoadError as e:
+                    raise load_error_to_openai(e) from None
+                finally:
+                    h._waiting_for_adapter -= 1
+                self._holds_adapter = True
+            self._submit()
+        except Exception as e:  # a failed admission keeps no reference (the cache's nor the engine's)
+            self.error = e
+            self._release()
+            self.queue.put_nowait(e)
+
+    def _submit(self) -> None:
+        """The n choices to the engine (synchronous: once the adapter is held, nothing can cancel
+        this half-way)."""
+        h, greq = self.h, self.greq
+        try:
+            for i, c in enumerate(self.choices):
+                h.engine.add_request(c.engine_id, greq.prompt_ids, h.sampling_params(greq, i), greq.adapter_id,
+                                     self._on_event, cache_salt=greq.tenant)
+                self._engine_open.add(c.engine_id)
+        except Exception as e:
+            for eid in self._engine_open:
+                h.engine.cancel(eid)
+            if isinstance(e, InvalidRequestError):
+                raise oai.bad_request(str(e), code="invalid_request") from None
+            raise oai.OpenAIError(503, f"the engine refused the request: {e}", type="server_error",
+                                  code="engine_unavailable") from None
+        self.timer.on_scheduled()
+
+    async def admitted(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: as long as it takes) for admission; raise its error.
+        True once the engine has the request."""
+        if not self._admission.done():
+            await asyncio.wait({self._admission}, timeout=timeout)
+        if self.error is not None:
+            raise self.error
+        return self._admission.done()
+
+    # -- engine events ----------------------------------------------------------------------
 
     # called on the engine thread: must not block
     def _on_event(self, ev) -> None:
@@ -186,110 +241,132 @@ class Generation:
                 self._release()
 
     def __aiter__(self) -> AsyncIterator[Delta]:
-        return self._iter()
+        return self.deltas()
+
+    async def deltas(self, keepalive_s: float = 0.0) -> AsyncIterator[Delta | None]:
+        """The deltas as the engine produces them. With `keepalive_s` > 0, None after every
+        `keepalive_s` seconds without one (while the request waits for its adapter, in the engine's
+        queue, or behind a slow step: a stream's keep-alive)."""
+        loop = asyncio.get_running_loop()
+        try:
+            deadline = loop.time() + keepalive_s
+            while not self._done:
+                if keepalive_s > 0:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            ev = await self.queue.get()  # cancel-safe: a timed-out get loses no event
+                    except TimeoutError:
+                        deadline = loop.time() + keepalive_s
+                        yield None
+                        continue
+                else:
+                    ev = await self.queue.get()
+                if isinstance(ev, BaseException):  # admission failed
+                    raise ev
+                for d in self._on_engine_event(ev):
+                    deadline = loop.time() + keepalive_s
+                    yield d
+        finally:
+            self.abandon()
+
+    def _on_engine_event(self, ev) -> list[Delta]:
+        """One engine event -> the deltas it makes (none, text, or text then the choice's finish)."""
+        i = self._index.get(ev.request_id, 0)
+        c = self.choices[i]
+        if getattr(ev, "error", None):
+            self._end_all("error")
+            if str(ev.error).startswith("grammar: "):  # a parser limit mid-generation: no broken document
+                self.h.grammar_failures += 1
+                param = "tools" if self.greq.tool_mode else "response_format"
+                raise oai.OpenAIError(
+                    400, f"The {param} grammar hit a parser limit after {c.completion_tokens} tokens; the "
+                    f"schema is too complex to be enforced: {str(ev.error)[9:][:500]}", param=param,
+                    code="invalid_schema")
+            raise oai.OpenAIError(500, f"generation failed: {ev.error}", type="server_error",
+                                  code="generation_error")
+        if ev.token_id is not None and ev.token_id >= 0:
+            self.timer.on_token()
+        if ev.completion_tokens is not None:
+            c.completion_tokens = ev.completion_tokens
+        if ev.prompt_tokens:
+            self.prompt_tokens = ev.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, getattr(ev, "cached_tokens", 0) or 0)
+        self._entry(c, ev)
+        text = ev.text or ""  # the engine applies stop strings (and holds back partial matches)
+        out = []
+        if text:
+            c.text_parts.append(text)
+            out.append(Delta(text, None, i, self._take(c)))
+        if not ev.finished:
+            return out
+        c.done = True
+        reason = ev.finish_reason or "stop"
+        c.finish_reason = reason if reason in ("stop", "length", "cancelled", "error") else "stop"
+        out.append(Delta("", c.finish_reason, i, self._take(c)))
+        if all(x.done for x in self.choices):
+            self._done = True
+            self.timer.on_finish(self.finish_reason, self.prompt_tokens, self.completion_tokens)
+            self._log()
+            if not self._engine_open:
+                self._release()
+        return out
 
     def _entry(self, c: _Choice, ev) -> None:
         lp = getattr(ev, "logprobs", None)
         if lp is None or ev.token_id is None:
             return
-        if ev.finished and ev.finish_reason == "stop" and (
-                ev.token_id in self.h.engine.eos_token_ids):
+        if ev.finished and ev.finish_reason == "stop" and ev.token_id in self.h.engine.eos_token_ids:
             return  # the EOS token is not part of the answer
         entry = (ev.token_id, lp[0], lp[1])
         c.logprobs.append(entry)
         c.pending.append(entry)
 
-    def _take(self, c: _Choice) -> list | None:
+    @staticmethod
+    def _take(c: _Choice) -> list | None:
         if not c.pending:
             return None
         out, c.pending = c.pending, []
         return out
 
-    async def _iter(self) -> AsyncIterator[Delta]:
-        try:
-            while not self._done:
-                ev = await self.queue.get()
-                i = self._index.get(ev.request_id, 0)
-                c = self.choices[i]
-                if getattr(ev, "error", None):
-                    self._end_all("error")
-                    if str(ev.error).startswith("grammar: "):  # a parser limit mid-generation: no broken document
-                        self.h.grammar_failures += 1
-                        raise oai.OpenAIError(
-                            400, f"The {'tools' if self.greq.tool_mode else 'response_format'} grammar hit a "
-                            f"parser limit after {c.completion_tokens} tokens; the schema is too complex to be "
-                            f"enforced: {str(ev.error)[9:][:500]}", param="tools" if self.greq.tool_mode else
-                            "response_format", code="invalid_schema")
-                    raise oai.OpenAIError(500, f"generation failed: {ev.error}", type="server_error",
-                                          code="generation_error")
-                text = ev.text or ""
-                if ev.token_id is not None and ev.token_id >= 0:
-                    self.timer.on_token()
-                if ev.completion_tokens is not None:
-                    c.completion_tokens = ev.completion_tokens
-                if ev.prompt_tokens:
-                    self.prompt_tokens = ev.prompt_tokens
-                self.cached_tokens = max(self.cached_tokens, getattr(ev, "cached_tokens", 0) or 0)
-                self._entry(c, ev)
-                out = text  # the engine applies stop strings (and holds back partial matches)
-                if ev.finished:
-                    c.done = True
-                    reason = ev.finish_reason or "stop"
-                    c.finish_reason = reason if reason in ("stop", "length", "cancelled", "error") else "stop"
-                    if out:
-                        c.text_parts.append(out)
-                        yield Delta(out, None, i, self._take(c))
-                    yield Delta("", c.finish_reason, i, self._take(c))
-                    if all(x.done for x in self.choices):
-                        self._done = True
-                        self.timer.on_finish(self.finish_reason, self.prompt_tokens, self.completion_tokens)
-                        self._log()
-                        if not self._engine_open:
-                            self._release()
-                        return
-                    continue
-                if out:
-                    c.text_parts.append(out)
-                    yield Delta(out, None, i, self._take(c))
-        finally:
-            self.abandon()
+    # -- the end ----------------------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """Stop caring about this request (the client went away or the consumer stopped early):
+        cancel it, waiting for its adapter or in the engine, and drop the adapter reference once the
+        engine let go. No-op when it already ended or was never admitted. Synchronous, so it is safe
+        in `finally` blocks under cancellation."""
+        if self._done or self.error is not None:
+            return
+        if not self._admission.done():
+            self._admission.cancel()  # still waiting for its adapter: it never takes the reference
+        self._end_all("cancelled")
 
     def _end_all(self, reason: str) -> None:
         for c in self.choices:
             if not c.done:
                 c.done = True
                 c.finish_reason = reason
-        for c in self.choices:
-            if c.engine_id in self._engine_open:
-                self.h.engine.cancel(c.engine_id)
+        for eid in self._engine_open:
+            self.h.engine.cancel(eid)
         self._done = True
         self.timer.on_finish(reason, self.prompt_tokens, self.completion_tokens)
         self._log()
         self._release_after_engine_end()
 
-    def abandon(self) -> None:
-        """Stop caring about this request (the client went away or the consumer stopped early):
-        cancel it in the engine and drop the adapter reference once the engine let go. No-op when it
-        already ended. Synchronous, so it is safe in `finally` blocks under cancellation."""
-        if self._done:
-            return
-        self._end_all("cancelled")
-
     def _log(self) -> None:
         """One line per request: the adapter id is logged on every request (isolation audits)."""
-        t = self.timer
+        t, g = self.timer, self.greq
         ttft = f"{(t.first_token - t.arrival) * 1000:.1f}ms" if t.first_token else "-"
         reqlog.info("request %s model=%s adapter=%s tier=%s n=%d prompt=%d completion=%d finish=%s ttft=%s "
-                    "e2e=%.1fms", self.greq.request_id, self.greq.model, self.greq.adapter_id or "-", self.greq.tier,
-                    self.greq.n, self.prompt_tokens, self.completion_tokens, self.finish_reason,
-                    ttft, (time.perf_counter() - t.arrival) * 1000)
+                    "e2e=%.1fms", g.request_id, g.model, g.adapter_id or "-", g.tier, g.n, self.prompt_tokens,
+                    self.completion_tokens, self.finish_reason, ttft, (time.perf_counter() - t.arrival) * 1000)
 
     def _release(self) -> None:
         if self._released:
             return
         self._released = True
         self.h._inflight.pop(self.greq.request_id, None)
-        if self.h._uses_cache(self.greq):
+        if self._holds_adapter:
             self.h.cache.release(self.greq.adapter_id)
 
     def _release_after_engine_end(self) -> None:
@@ -307,18 +384,77 @@ class Generation:
         elif not self._engine_open:
             self._release()
 
-    @property
-    def text(self) -> str:
-        return self.choices[0].text
+
+class SSEChunks:
+    """The SSE body of one streamed request, as OpenAI writes it: per choice (`index`) a role chunk
+    (chat), content (or text) chunks with their logprobs, tool calls as `tool_calls` deltas once
+    complete, and a finish chunk; then the usage chunk (on request)."""
+
+    def __init__(self, greq: GenerationRequest, token_text: Callable[[int], str]):
+        self.greq = greq
+        self.token_text = token_text
+        self.chat = greq.kind == "chat"
+        self.want_lp = greq.body.n_logprobs is not None
+        self.tools = [ToolCallStream(oai.new_call_id) for _ in range(greq.n)] if self.chat and greq.tool_mode else None
+        self.called = [False] * greq.n
+
+    def head(self) -> list[bytes]:
+        g = self.greq
+        if not self.chat:
+            return []
+        return [oai.sse(oai.chat_chunk(g.response_id, g.model, g.created, content="", role=True, index=i))
+                for i in range(g.n)]
+
+    def delta(self, d: Delta) -> list[bytes]:
+        return [oai.sse(obj) for obj in self._objects(d.index, d.text, d.logprobs, d.finish_reason)]
+
+    def usage(self, gen: Generation) -> bytes:
+        g = self.greq
+        return oai.sse(oai.usage_chunk(g.kind, g.response_id, g.model, g.created, gen.prompt_tokens,
+                                       gen.completion_tokens, gen.cached_tokens))
+
+    def _logprobs(self, entries):
+        if not self.want_lp or entries is None:
+            return None
+        if self.chat:
+            return oai.chat_logprobs(entries, self.token_text)
+        return oai.completion_logprobs(entries, self.token_text)
+
+    def _objects(self, i: int, text: str, entries, finish: str | None):
+        rid, model, created = self.greq.response_id, self.greq.model, self.greq.created
+        if not self.chat:
+            if text or finish or entries:
+                yield oai.completion_chunk(rid, model, created, text=text, finish_reason=finish, index=i,
+                                           logprobs=self._logprobs(entries))
+            return
+        calls = []
+        if self.tools is not None:
+            text, calls = self.tools[i].feed(text)
+            if finish:
+                more, more_calls = self.tools[i].close()
+                text, calls = text + more, calls + more_calls
+        if text or entries:
+            yield oai.chat_chunk(rid, model, created, content=text, index=i, logprobs=self._logprobs(entries))
+        if calls:
+            self.called[i] = True
+            yield oai.chat_chunk(rid, model, created, index=i, tool_calls=[
+                {"index": k, "id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                for k, cid, name, args in calls])
+        if finish:
+            if self.called[i] and finish == "stop":
+                finish = "tool_calls"
+            yield oai.chat_chunk(rid, model, created, index=i, finish_reason=finish)
 
 
 class LoraHandler:
-    """TorchServe-style handler of one replica: base model + engine + tiered adapter cache."""
+    """TorchServe-style handler of one replica: base model + engine + tiered adapter cache, and the
+    path of every completion (preprocess, admit, inference, postprocess or stream)."""
 
     def __init__(self):
         self.initialized = False
+        self.draining = False  # set by the replica's preStop drain: `admit` refuses from then on
         self.context: HandlerContext | None = None
-        self.engine = None
+        self.engine: Engine | None = None
         self.cache: AdapterCache | None = None
         self.metrics: ReplicaMetrics | None = None
         self.base_model_hash = ""
@@ -330,21 +466,18 @@ class LoraHandler:
         self._tasks: set[asyncio.Task] = set()
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}
-        self.grammar_pool = None  # handler.grammar.pool.GrammarPool (started in `start`)
-        self.grammar_builder = None
-        self.grammar_cache = None
+        self.grammar_pool: GrammarPool | None = None  # started in `start`
+        self.grammar_builder: constrained.GrammarBuilder | None = None
+        self.grammar_cache: constrained.GrammarCache | None = None
         self._grammar_inflight: dict[str, asyncio.Future] = {}
         self._grammar_refused: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.grammar_failures = 0  # parser limits hit mid-generation
-        self._prep = None  # the thread that tokenizes large prompts off the event loop
+        self._prep: ThreadPoolExecutor | None = None  # the thread that tokenizes large prompts off the event loop
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def initialize(self, context: HandlerContext) -> None:
         """Load the base (and merge an adapter into it in merged mode), hash it, start the engine."""
-        from archives.basehash import base_model_hash, read_base_config
-        from handler.engine.engine import Engine
-
         self.context = context
         self.metrics = context.metrics or ReplicaMetrics(context.replica_id, context.model_name)
         context.metrics = self.metrics
@@ -353,40 +486,23 @@ class LoraHandler:
         self.metrics.watch_speculation(self)
         self.base_config = read_base_config(context.model_dir)
         self.base_model_hash = base_model_hash(context.model_dir)
-        pools = context.rank_pools or {r: context.slots for r in DEFAULT_RANK_POOLS if r <= context.limits.rank_limit}
+        rank_limit = context.limits.rank_limit
+        pools = context.rank_pools or {r: context.slots for r in DEFAULT_RANK_POOLS if r <= rank_limit}
         if not pools:
-            pools = {context.limits.rank_limit: context.slots}
-        kw: dict[str, Any] = dict(device=context.device, dtype=context.dtype, max_batch=context.limits.max_batch,
-                                  rank_pools=pools, max_prefill_tokens=context.limits.max_prefill_tokens,
-                                  attention=context.attention, compile=context.compile,
-                                  batch_invariant=context.batch_invariant, prefix_cache=context.prefix_cache,
-                                  speculate=context.speculate,
-                                  cache_key=self.base_model_hash)
-        if context.kv_cache_bytes:
-            kw["kv_cache_bytes"] = context.kv_cache_bytes
-        if context.merged_adapter:
-            kw["merged_adapter"] = self._merged_adapter(context)
-            kw.pop("rank_pools")
-        self.engine = Engine(context.model_dir, **kw)
-        if context.merged_adapter:
-            self.models = [context.merged_adapter]
-        else:
-            self.models = [context.model_name]
+            pools = {rank_limit: context.slots}
+        merged = self._merged_adapter(context) if context.merged_adapter else None
+        self.engine = Engine(context.model_dir, context.engine.replace(
+            rank_pools=pools, cache_key=self.base_model_hash, merged_adapter=merged,
+            kv_cache_bytes=context.engine.kv_cache_bytes or None))  # 0, as None: the engine sizes it
+        self.models = [context.merged_adapter] if context.merged_adapter else [context.model_name]
         self.engine.start()
         self.initialized = True
         log.info("replica %s: base %s (%s), %s", context.replica_id, context.model_name, self.base_model_hash,
                  f"merged adapter {context.merged_adapter}" if context.merged_adapter else f"rank pools {pools}")
 
-    def _merged_adapter(self, context: HandlerContext):
+    def _merged_adapter(self, context: HandlerContext) -> MergedAdapter:
         """Merged mode: the verified adapter folder (fetched and verified by the app) -> MergedAdapter,
         its tensors checked against the base's shapes first."""
-        import json
-
-        from safetensors.torch import load_file
-
-        from handler.adapters.cache import check_adapter_tensors
-        from handler.model.merge import MergedAdapter
-
         d = context.merged_adapter_dir
         if d is None:
             raise RuntimeError("merged mode needs the verified adapter folder")
@@ -401,7 +517,7 @@ class LoraHandler:
         return MergedAdapter(context.merged_adapter, weights, rank, alpha, modules)
 
     async def start(self) -> None:
-        """Async part of start-up (on the serving loop): the adapter cache."""
+        """Async part of start-up (on the serving loop): the adapter cache, the grammar workers."""
         ctx = self.context
         assert ctx is not None and self.engine is not None
         self._loop = asyncio.get_running_loop()
@@ -418,11 +534,6 @@ class LoraHandler:
     async def _start_grammar(self) -> None:
         """The grammar worker pool, the matcher-build thread, the byte-bounded cache, and the thread
         that tokenizes large prompts (handler.grammar.pool)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from handler.grammar import constrained
-        from handler.grammar.pool import GrammarPool
-
         lim = self.context.limits
         vocab = int(self.engine.config.vocab_size)
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-prep")
@@ -440,7 +551,8 @@ class LoraHandler:
 
     async def shutdown(self) -> None:
         for gen in list(self._inflight.values()):
-            self.engine.cancel(gen.greq.request_id)
+            for eid in gen._engine_open:
+                self.engine.cancel(eid)
         for t in list(self._tasks):
             t.cancel()
         if self.engine is not None:
@@ -473,27 +585,40 @@ class LoraHandler:
 
     # -- TorchServe steps -------------------------------------------------------------------
 
-    async def preprocess(self, kind: str, body: bytes | dict | Any, tenant: str | None = None) -> GenerationRequest:
+    async def preprocess(self, kind: str, body: bytes | dict | Any, tenant: str | None = None,
+                         model_name: str | None = None) -> GenerationRequest:
         """Validate the body, resolve the model (404 when unknown), tokenize, check the limits, and
         compile the grammar (in a worker process: handler.grammar.pool). `tenant` (the router's
-        x-lorafarm-tenant; default the model) is whose share of the grammar cache it uses.
-        Nothing here that can take long runs on the event loop: a large body is tokenized (chat
-        template, tool prompt, tokenizer) on a thread; a grammar compiles in a worker process, and its
-        matcher is built on a thread that does not hold the GIL."""
+        x-lorafarm-tenant; default the model) is whose share of the grammar cache it uses;
+        `model_name` (the router's x-lorafarm-model-name: the alias the client asked for) is the model
+        the answer names. Nothing here that can take long runs on the event loop: a large body is
+        tokenized (chat template, tool prompt, tokenizer) on a thread; a grammar compiles in a worker
+        process, and its matcher is built on a thread that does not hold the GIL."""
+        lim = self.context.limits
         model_cls = oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest
         size = len(body) if isinstance(body, (bytes, bytearray, str)) else 0
-        if size > self.context.limits.prep_inline_bytes and self._prep is not None:
-            req = body if isinstance(body, model_cls) else await self._off_loop(oai.parse_request, model_cls, body)
+        big = size > lim.prep_inline_bytes and self._prep is not None
+        if isinstance(body, model_cls):
+            req = body
         else:
-            req = body if isinstance(body, model_cls) else oai.parse_request(model_cls, body)
+            req = await self._off_loop(oai.parse_request, model_cls, body) if big else oai.parse_request(model_cls, body)
         adapter_id = await self.resolve_model(req.model)
         tier = "gpu" if (adapter_id is None or self.context.merged_adapter) else self.cache.tier_of(adapter_id)
-        if size > self.context.limits.prep_inline_bytes and self._prep is not None:
-            prompt_ids = await self._off_loop(self._tokenize, kind, req)
-        else:
-            prompt_ids = self._tokenize(kind, req)
+        prompt_ids = await self._off_loop(self._tokenize, kind, req) if big else self._tokenize(kind, req)
+        max_tokens = self._max_tokens(kind, req, len(prompt_ids))
+        rid = f"{self.context.replica_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        echo = model_name if model_name and len(model_name) <= 256 and model_name.isprintable() else None
+        return GenerationRequest(
+            kind=kind, body=req, model=echo or req.model, adapter_id=adapter_id, prompt_ids=prompt_ids,
+            max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
+            tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now(), n=req.n,
+            grammar=await self._grammar(kind, req, tenant or req.model, big=size > lim.prep_inline_bytes),
+            tool_mode=req.tool_mode if kind == "chat" else None, tenant=tenant)
+
+    def _max_tokens(self, kind: str, req, n_prompt: int) -> int:
+        """The request's max_tokens (the default: what the context leaves, up to the limit), checked
+        against the model's context (400 context_length_exceeded)."""
         max_ctx = int(self.engine.max_context)
-        n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise oai.bad_request("The prompt is empty.", param="prompt", code="invalid_value")
         if n_prompt >= max_ctx:
@@ -501,24 +626,135 @@ class LoraHandler:
                 f"This model's maximum context length is {max_ctx} tokens. However, your prompt has "
                 f"{n_prompt} tokens.", param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded")
-        if req.max_tokens is None:
-            max_tokens = min(self.context.limits.default_max_tokens, max_ctx - n_prompt)
-        else:
-            max_tokens = req.max_tokens
-            if n_prompt + max_tokens > max_ctx:
-                raise oai.bad_request(
-                    f"This model's maximum context length is {max_ctx} tokens. However, you requested "
-                    f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
-                    f"completion). Please reduce the length of the prompt or max_tokens.",
-                    param="max_tokens", code="context_length_exceeded")
-        rid = f"{self.context.replica_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        tool_mode = req.tool_mode if kind == "chat" else None
-        return GenerationRequest(
-            kind=kind, body=req, model=req.model, adapter_id=adapter_id, prompt_ids=prompt_ids,
-            max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
-            tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now(), n=req.n,
-            grammar=await self._grammar(kind, req, tenant or req.model, big=size > self.context.limits.prep_inline_bytes),
-            tool_mode=tool_mode, tenant=tenant)
+        max_tokens = oai.effective_max_tokens(req.max_tokens, default=self.context.limits.default_max_tokens)
+        if req.max_tokens is None:  # the default, capped to what the context leaves; a sent limit must fit
+            return min(max_tokens, max_ctx - n_prompt)
+        if n_prompt + max_tokens > max_ctx:
+            raise oai.bad_request(
+                f"This model's maximum context length is {max_ctx} tokens. However, you requested "
+                f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for the "
+                f"completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded")
+        return req.max_tokens
+
+    def admit(self, greq: GenerationRequest) -> None:
+        """Shed before accepting (issue 26), every rule in one place: 503 not_ready once draining
+        (requests in flight finish); 429 queue_full above the waiting-queue cap (waiting for an
+        adapter or for a batch place); 503 overloaded with Retry-After when the engine's remaining
+        work (unprefilled prompt + tokens still to generate, waiting and running) plus this request's
+        passes `Limits.max_queued_tokens` (a lone request is always admitted). The router fails these
+        over to another replica, or hands the client the status and its Retry-After."""
+        lim = self.context.limits
+        if self.draining:
+            raise not_ready()
+        st = self.engine.stats()
+        if self._waiting_for_adapter + int(st.waiting) >= lim.max_waiting:
+            raise oai.OpenAIError(429, "The replica's waiting queue is full; retry shortly.",
+                                  type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        queued = int(st.tokens_in_flight)
+        cost = len(greq.prompt_ids) + int(greq.max_tokens or 0) * int(greq.n or 1)
+        if lim.max_queued_tokens > 0 and queued and queued + cost > lim.max_queued_tokens:
+            raise oai.OpenAIError(
+                503, f"The replica is overloaded ({queued} tokens of work queued, limit {lim.max_queued_tokens}); "
+                "retry shortly.", type="server_error", code="overloaded",
+                headers={"Retry-After": str(lim.shed_retry_after_s)})
+
+    def inference(self, greq: GenerationRequest) -> Generation:
+        """Start the request: its `Generation` takes the adapter (loading it if cold) and submits the
+        n choices to the engine, in the background; its iterator (or `admitted`) raises an OpenAIError
+        when the adapter cannot be loaded or the engine refuses."""
+        gen = Generation(self, greq)
+        self._inflight[greq.request_id] = gen
+        return gen
+
+    async def postprocess(self, greq: GenerationRequest, gen: Generation) -> dict:
+        """Drain a generation into an OpenAI (chat) completion object with its n choices."""
+        async for _ in gen:
+            pass
+        choices = [self.choice_object(greq, i, c.text, c.finish_reason or "stop", c.logprobs)
+                   for i, c in enumerate(gen.choices)]
+        build = oai.chat_completion if greq.kind == "chat" else oai.completion
+        return build(greq.response_id, greq.model, choices, gen.prompt_tokens, gen.completion_tokens,
+                     created=greq.created, cached_tokens=gen.cached_tokens)
+
+    async def stream(self, greq: GenerationRequest, gen: Generation) -> AsyncIterator[bytes]:
+        """The SSE body of a streamed request (`SSEChunks`), then [DONE]. While the request waits
+        (its adapter, the engine's queue, prefill or a slow step) a `: keep-alive` comment goes out
+        every `Limits.stream_keepalive_s`; an error once the stream is committed is an error event.
+        The generation is abandoned when the stream ends early (the client left)."""
+        sse = SSEChunks(greq, self.token_text)
+        try:
+            for chunk in sse.head():
+                yield chunk
+            async for d in gen.deltas(self.context.limits.stream_keepalive_s):
+                if d is None:
+                    yield KEEPALIVE
+                    continue
+                for chunk in sse.delta(d):
+                    yield chunk
+            if greq.include_usage:
+                yield sse.usage(gen)
+            yield oai.SSE_DONE
+        except oai.OpenAIError as e:
+            yield oai.sse_error(e)
+            yield oai.SSE_DONE
+        finally:
+            gen.abandon()  # no-op when it finished; cancels the request when the client left
+
+    async def handle(self, data: list[dict], context: Any = None, kind: str = "chat") -> list[dict]:
+        """TorchServe's entry point: a batch of request bodies -> a list of responses (errors become
+        OpenAI error objects in their place, so one bad request never fails the batch)."""
+
+        async def one(body):
+            try:
+                greq = await self.preprocess(kind, body)
+                self.admit(greq)
+                return await self.postprocess(greq, self.inference(greq))
+            except oai.OpenAIError as e:
+                return e.body()
+
+        return list(await asyncio.gather(*(one(b) for b in data)))
+
+    # -- preprocess: the model, the prompt, the grammar --------------------------------------
+
+    async def resolve_model(self, model: str) -> str | None:
+        """A base model name -> None; a known adapter id (in merged mode: only the merged one) ->
+        itself; anything else -> 404 model_not_found."""
+        if self.context.merged_adapter:
+            if model == self.context.merged_adapter:
+                return model
+            raise oai.model_not_found(model)
+        if model in self.models:
+            return None
+        try:
+            known = await self.cache.exists(model)
+        except AdapterNotFoundError:
+            known = False
+        except Exception as e:  # the registry is down: local tiers still answer
+            log.warning("adapter lookup of %s failed: %s", model, e)
+            raise oai.OpenAIError(503, f"cannot look up adapter {model}: {e}", type="server_error",
+                                  code="registry_unavailable") from None
+        if not known:
+            raise oai.model_not_found(model)
+        return model
+
+    def _tokenize(self, kind: str, req) -> list[int]:
+        tok = self.engine.tokenizer
+        if kind == "chat":
+            messages, kw = render_messages(tok, req)
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+            except Exception as e:
+                raise oai.bad_request(f"The messages cannot be formatted with the chat template: {e}",
+                                      param="messages") from None
+            return list(tok.encode(text, add_special_tokens=False))
+        ids = req.prompt_token_ids()
+        if ids is not None:
+            vocab = int(getattr(self.engine.config, "vocab_size", 0) or 0)
+            if vocab and any(i < 0 or i >= vocab for i in ids):
+                raise oai.bad_request("prompt token ids out of the vocabulary", param="prompt")
+            return ids
+        return list(tok.encode(req.prompt_text(), add_special_tokens=True))
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
@@ -529,8 +765,6 @@ class LoraHandler:
         matcher built off the loop, cached by bytes per tenant; identical concurrent requests share
         one compile, and a refused grammar is remembered (a poison schema kills at most one worker).
         400 invalid_schema when a limit is hit or it cannot be enforced; 429 when too many wait."""
-        from handler.grammar.pool import GrammarBusy, GrammarError
-
         if kind != "chat":
             return None
         if req.tool_mode is not None:
@@ -570,8 +804,6 @@ class LoraHandler:
                                   headers={"Retry-After": "1"}) from None
 
     async def _compile_grammar(self, key: str, job: bytes, tenant: str):
-        from handler.grammar.pool import GrammarError
-
         try:
             res = await self.grammar_pool.compile(job, tenant)
             try:
@@ -591,103 +823,18 @@ class LoraHandler:
             await self.grammar_builder.trim()
         return compiled
 
-    async def resolve_model(self, model: str) -> str | None:
-        """A base model name -> None; a known adapter id (in merged mode: only the merged one) ->
-        itself; anything else -> 404 model_not_found."""
-        if self.context.merged_adapter:
-            if model == self.context.merged_adapter:
-                return model
-            raise oai.model_not_found(model)
-        if model in self.models:
-            return None
-        try:
-            known = await self.cache.exists(model)
-        except AdapterNotFoundError:
-            known = False
-        except Exception as e:  # the registry is down: local tiers still answer
-            log.warning("adapter lookup of %s failed: %s", model, e)
-            raise oai.OpenAIError(503, f"cannot look up adapter {model}: {e}", type="server_error",
-                                  code="registry_unavailable") from None
-        if not known:
-            raise oai.model_not_found(model)
-        return model
-
-    def _tokenize(self, kind: str, req) -> list[int]:
-        tok = self.engine.tokenizer
-        if kind == "chat":
-            from handler.grammar.tools_prompt import render_messages
-
-            messages, kw = render_messages(tok, req)
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-            except Exception as e:
-                raise oai.bad_request(f"The messages cannot be formatted with the chat template: {e}",
-                                      param="messages") from None
-            return list(tok.encode(text, add_special_tokens=False))
-        ids = req.prompt_token_ids()
-        if ids is not None:
-            vocab = int(getattr(self.engine.config, "vocab_size", 0) or 0)
-            if vocab and any(i < 0 or i >= vocab for i in ids):
-                raise oai.bad_request("prompt token ids out of the vocabulary", param="prompt")
-            return ids
-        return list(tok.encode(req.prompt_text(), add_special_tokens=True))
+    # -- inference and postprocess: the engine's parameters, the answer's objects --------------
 
     def _uses_cache(self, greq: GenerationRequest) -> bool:
         return greq.adapter_id is not None and not self.context.merged_adapter
 
-    def check_capacity(self) -> None:
-        """The waiting-queue cap: 429 when too many requests already wait."""
-        if self.waiting() >= self.context.limits.max_waiting:
-            raise oai.OpenAIError(429, "The replica's waiting queue is full; retry shortly.",
-                                  type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-
     def waiting(self) -> int:
         return self._waiting_for_adapter + int(self.engine.stats().waiting)
 
-    async def inference(self, greq: GenerationRequest) -> Generation:
-        """Take the adapter (loading it if cold: only this request's adapter is waited for) and submit
-        the request's n choices to the engine. Raises OpenAIError when the adapter cannot be loaded."""
-        timer = RequestTimer(self.metrics, greq.tier)
-        if self._uses_cache(greq):
-            self._waiting_for_adapter += 1
-            try:
-                await self.cache.acquire(greq.adapter_id)
-            except AdapterNotFoundError:
-                raise oai.model_not_found(greq.model) from None
-            except AdapterLoadError as e:
-                raise load_error_to_openai(e) from None
-            finally:
-                self._waiting_for_adapter -= 1
-        gen = Generation(self, greq, timer)
-        self._inflight[greq.request_id] = gen
-        added: list[str] = []
-        try:
-            for i, choice in enumerate(gen.choices):
-                self.engine.add_request(choice.engine_id, greq.prompt_ids, self.sampling_params(greq, i),
-                                        greq.adapter_id, gen._on_event, cache_salt=greq.tenant)
-                added.append(choice.engine_id)
-        except BaseException as e:  # a failed admission keeps no reference (the cache's nor the engine's)
-            for eid in added:
-                self.engine.cancel(eid)
-            gen._done = True
-            gen._release()
-            from handler.engine.engine import InvalidRequestError
-
-            if isinstance(e, InvalidRequestError):
-                raise oai.bad_request(str(e), code="invalid_request") from None
-            if not isinstance(e, Exception):
-                raise
-            raise oai.OpenAIError(503, f"the engine refused the request: {e}", type="server_error",
-                                  code="engine_unavailable") from None
-        timer.on_scheduled()
-        return gen
-
     @staticmethod
-    def sampling_params(greq: GenerationRequest, index: int = 0):
+    def sampling_params(greq: GenerationRequest, index: int = 0) -> SamplingParams:
         """The engine parameters of choice `index`: choice i of a seeded request is seeded seed + i,
         so the n choices differ and each is reproducible."""
-        from handler.engine.engine import SamplingParams
-
         body = greq.body
         seed = None if body.seed is None else int(body.seed) + index
         if seed is not None and seed > oai.SEED_MAX:
@@ -716,43 +863,15 @@ class LoraHandler:
         lp = oai.chat_logprobs(entries or [], self.token_text) if want_lp else None
         if greq.tool_mode is None:
             return oai.chat_choice(i, text, finish_reason, logprobs=lp)
-        from handler.grammar.constrained import parse_tool_calls
-
         content, calls = parse_tool_calls(text)
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         tool_calls = oai.tool_calls_obj([(oai.new_call_id(), name, args) for name, args in calls])
         return oai.chat_choice(i, content, finish_reason, tool_calls=tool_calls, logprobs=lp)
 
-    async def postprocess(self, greq: GenerationRequest, gen: Generation) -> dict:
-        """Drain a generation into an OpenAI (chat) completion object with its n choices."""
-        async for _ in gen:
-            pass
-        choices = [self.choice_object(greq, i, c.text, c.finish_reason or "stop", c.logprobs)
-                   for i, c in enumerate(gen.choices)]
-        build = oai.chat_completion if greq.kind == "chat" else oai.completion
-        return build(greq.response_id, greq.model, choices, gen.prompt_tokens, gen.completion_tokens,
-                     created=greq.created, cached_tokens=gen.cached_tokens)
-
-    async def handle(self, data: list[dict], context: Any = None, kind: str = "chat") -> list[dict]:
-        """TorchServe's entry point: a batch of request bodies -> a list of responses (errors become
-        OpenAI error objects in their place, so one bad request never fails the batch)."""
-
-        async def one(body):
-            try:
-                greq = await self.preprocess(kind, body)
-                gen = await self.inference(greq)
-                return await self.postprocess(greq, gen)
-            except oai.OpenAIError as e:
-                return e.body()
-
-        return list(await asyncio.gather(*(one(b) for b in data)))
-
     # -- state ------------------------------------------------------------------------------
 
-    def state(self):
-        from lorafarm.schemas import HeldAdapter, ReplicaState
-
+    def state(self) -> ReplicaState:
         st = self.engine.stats()
         merged = self.context.merged_adapter
         return ReplicaState(
@@ -780,6 +899,12 @@ def _job_key(job: dict) -> tuple[bytes, str]:
     """A grammar job's canonical JSON (what the worker gets) and its hash (the cache key)."""
     raw = json.dumps(job, sort_keys=True, separators=(",", ":")).encode()
     return raw, hashlib.sha256(raw).hexdigest()
+
+
+def not_ready() -> oai.OpenAIError:
+    """503 not_ready: the replica is starting or draining (the router fails over and retries later)."""
+    return oai.OpenAIError(503, "The replica is starting.", type="server_error", code="not_ready",
+                           headers={"Retry-After": "1"})
 
 
 def load_error_to_openai(e: AdapterLoadError) -> oai.OpenAIError:

@@ -93,7 +93,7 @@ def test_replica_statefulset_contract(docs):
 
 
 def test_gpu_replica_fits_an_80gb_gpu_by_the_capacity_calculator():
-    from handler.serving.cli import parse_rank_mix, parse_size
+    from handler.cli import parse_rank_mix, parse_size
     from lorafarm import capacity as cap
 
     docs = {_key(d): d for d in render(REPO / "deploy" / "overlays" / "gpu")}

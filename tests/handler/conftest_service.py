@@ -159,15 +159,16 @@ def service_archives(tmp_path_factory, dev_model, dev_model_b, canaries, canary_
 
 
 def make_config(dev_model: Path, archives: Archives, disk_dir: Path, **kw):
-    """A standalone ReplicaConfig reading the test catalog from the file:// store."""
-    from handler.serving.app import ReplicaConfig
-    from handler.serving.handler import Limits
+    """A standalone ReplicaConfig reading the test catalog from the file:// store (an 8 MiB KV cache
+    unless `engine` says otherwise)."""
+    from handler.serving.config import REPLICA_ENGINE, Limits, ReplicaConfig
 
     limits = kw.pop("limits", None) or Limits(rank_limit=kw.pop("rank_limit", 16), default_max_tokens=32)
+    engine = kw.pop("engine", None) or REPLICA_ENGINE.replace(kv_cache_bytes=8 * 1024 * 1024)
     return ReplicaConfig(
         base_dir=dev_model, replica_id=kw.pop("replica_id", "r0"), model_name=kw.pop("model_name", "dev-tiny"),
         store_url=archives.store_url, trust=[archives.public_key], adapter_catalog=archives.catalog,
-        disk_dir=disk_dir, limits=limits, kv_cache_bytes=kw.pop("kv_cache_bytes", 8 * 1024 * 1024), **kw)
+        disk_dir=disk_dir, limits=limits, engine=engine, **kw)
 
 
 def chat_body(model: str, content: str = "hello, what is my order status?", **kw) -> dict:

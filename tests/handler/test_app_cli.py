@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from handler.serving.cli import build_config, parse_pools, parse_size
+from handler.cli import build_config, parse_pools, parse_size
 from lorafarm.cli import build_parser
 from lorafarm.errors import CliError
 from tests.handler.conftest_service import free_port, service_archives, wait_healthy  # noqa: F401 - fixture
@@ -40,11 +40,11 @@ def test_flags_build_the_config(dev_model, service_archives, tmp_path, monkeypat
         "--disk-dir", str(tmp_path), "--kv-cache-bytes", "64MiB", "--rank-limit", "32", "--max-waiting", "9",
         "--max-prefill-tokens", "1024", "--speculate", "0"])
     cfg = build_config(args)
-    assert cfg.limits.max_prefill_tokens == 1024 and cfg.speculate == 0
+    assert cfg.engine.max_prefill_tokens == 1024 and cfg.engine.speculate == 0
     assert cfg.replica_id == "r7" and cfg.port == 8207 and cfg.admin_token == "tok"
     assert cfg.resolved_model_name() == dev_model.name and cfg.registry_url is None
     assert cfg.slots == 3 and cfg.ram_bytes == 1024**3 and cfg.disk_bytes == 2 * 1024**3
-    assert cfg.kv_cache_bytes == 64 * 1024**2 and cfg.limits.rank_limit == 32 and cfg.limits.max_waiting == 9
+    assert cfg.engine.kv_cache_bytes == 64 * 1024**2 and cfg.limits.rank_limit == 32 and cfg.limits.max_waiting == 9
     assert cfg.url() == "http://127.0.0.1:8207"
 
     def fails(*extra):

@@ -1,11 +1,16 @@
 """handler/model/decode_step.py: the C decode step computes what the torch forward computes (logits and the
 K/V it writes), with adapters of several ranks on scattered slots, rows of mixed lengths on scattered
 blocks, biases and tied embeddings; a row's logits have the same bits alone or beside others on any
-thread count; the engine uses it only where it applies, and greedy answers do not change."""
+thread count; the engine uses it only where it applies, and greedy answers do not change; a library whose
+ABI (constants, struct layout, LoRA groups) differs from the Python side's is refused by name."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import random
+import re
+import shutil
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ from handler.model import decode_step
 
 from handler.model import small_gemm
 from handler.engine import engine as engine_module
+from handler.engine import executor as executor_module
 from handler.engine.engine import Engine
 from handler.model.lora import LORA_MODULES
 from handler.model.runner import build_step_batch
@@ -135,7 +141,7 @@ def test_engine_greedy_answers_do_not_change(dev_model, one_torch_thread, monkey
     assert got == want
     assert c_engine.stats().decode_step_c > 0 and torch_engine.stats().decode_step_c == 0
     # more rows than the C step takes: the torch path runs those steps, answers unchanged
-    monkeypatch.setattr(engine_module, "DECODE_STEP_ROWS", 4)
+    monkeypatch.setattr(executor_module, "DECODE_STEP_ROWS", 4)
     many = ["a16", "b8", None, "c4"] * 3
     before = c_engine.stats().decode_step_c
     assert _generate(c_engine, many, 4) == _generate(torch_engine, many, 4)
@@ -193,3 +199,69 @@ def test_short_prefill_chunks_run_on_the_c_step(dev_model, one_torch_thread):
     # the 40-token prompt on the torch path; the 13-token tail after the hit, and the short prompt, on C;
     # one token more than C takes: torch
     assert [steps for _, steps in got] == [0, 1, 1, 0]
+
+
+# -- the C side's ABI, checked when the library is loaded ---------------------------------------------
+
+
+def test_the_abi_of_the_real_build_matches():
+    have = decode_step.library_abi(small_gemm.library())
+    assert decode_step.abi_mismatch() is None
+    assert have == decode_step.expected_abi()
+    # every field of the struct passed by pointer is in the table, and the GROUPS order
+    assert {f"Model.{name}" for name, *_ in decode_step._Model._fields_} <= set(have)
+    assert [have[f"group.{g}"] for g in decode_step.GROUPS] == list(range(len(decode_step.GROUPS)))
+
+
+class _ModelWithoutBlockSize(ctypes.Structure):
+    _fields_ = [f for f in decode_step._Model._fields_ if f[0] != "block_size"]
+
+
+@pytest.mark.parametrize("change, named", [
+    (("MAX_ROWS", 32), "MAX_ROWS 64 vs 32"),
+    (("_MAX_MODULES", 4), "MAX_MODULES 3 vs 4"),
+    (("_Model", _ModelWithoutBlockSize), "Model.block_size 56 vs missing"),
+    (("GROUPS", {"o": ("o_proj",), "qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"),
+                 "down": ("down_proj",)}), "group.qkv 0 vs 1"),
+    (("GROUPS", {"qkv": ("q_proj", "v_proj", "k_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                 "down": ("down_proj",)}), "group.qkv.k_proj 1 vs 2"),
+])
+def test_an_abi_mismatch_is_named_and_the_torch_path_serves(change, named, dev_model, monkeypatch, caplog):
+    """The Python side's expectation changed (as a hand edit on one side would): the mismatch names the
+    item, `why_not` reports it, the engine logs it and keeps the torch path, and DecodeStep refuses it."""
+    monkeypatch.setattr(decode_step, *change)
+    why = decode_step.abi_mismatch()
+    assert why is not None and why.startswith("C decode step ABI mismatch") and named in why, why
+    caplog.set_level(logging.INFO)
+    e = Engine(dev_model, device="cpu", dtype=torch.float32, kv_cache_bytes=4 << 20, max_batch=4)
+    assert e.decode_step is None
+    assert decode_step.why_not(e.runner, e.kv, e.lora) == why
+    assert any(named in r.getMessage() and r.name == "handler.engine.executor" for r in caplog.records)
+    with pytest.raises(ValueError, match="decode_step: C decode step ABI mismatch"):
+        Engine(dev_model, device="cpu", dtype=torch.float32, kv_cache_bytes=4 << 20, max_batch=4, decode_step=True)
+    with pytest.raises(RuntimeError, match=re.escape(named)):
+        decode_step.DecodeStep(e.runner, e.kv, e.lora)
+    # the torch path answers
+    assert len(_generate(e, [None], 3)[0]) == 3 and e.stats().decode_step_c == 0
+
+
+def test_a_library_from_other_sources_is_built_anew_and_refused(tmp_path, monkeypatch):
+    """The build cache is keyed by the sources: a changed decode_step.c never reuses the library of the old
+    one, and a library whose table differs (or that has none, built before it existed) is refused."""
+    src = tmp_path / "csrc"
+    shutil.copytree(small_gemm.CSRC, src)
+    c = src / "decode_step.c"
+    c.write_text(c.read_text().replace("#define MAX_ROWS 64", "#define MAX_ROWS 32", 1))
+    real = small_gemm.build(tmp_path / "k")
+    monkeypatch.setattr(small_gemm, "SOURCE", c)
+    monkeypatch.setattr(small_gemm, "SOURCES", (src / "small_gemm.c", c))
+    other = small_gemm.build(tmp_path / "k")
+    assert other != real and real.exists()
+    assert decode_step.abi_mismatch(ctypes.CDLL(str(other))) == (
+        "C decode step ABI mismatch (decode_step.c vs decode_step.py): MAX_ROWS 32 vs 64")
+    # sources from before the table: the library has no lf_decode_step_abi
+    monkeypatch.setattr(small_gemm, "SOURCE", src / "small_gemm.c")
+    monkeypatch.setattr(small_gemm, "SOURCES", (src / "small_gemm.c",))
+    old = small_gemm.build(tmp_path / "k")
+    assert decode_step.abi_mismatch(ctypes.CDLL(str(old))) == (
+        "C decode step ABI mismatch: the library has no lf_decode_step_abi")

@@ -27,13 +27,13 @@ pytestmark = pytest.mark.timeout(900)
 def busy_engine(dev_model, tmp_path_factory):
     """A standalone replica of the dev model (no adapters needed) with ONE batch row: a second
     request waits in the engine's queue until the first one ends."""
-    from handler.serving.app import ReplicaConfig
-    from handler.serving.handler import Limits
+    from handler.serving.config import REPLICA_ENGINE, Limits, ReplicaConfig
 
     cfg = ReplicaConfig(base_dir=dev_model, replica_id="rb", model_name="dev-tiny",
-                        disk_dir=tmp_path_factory.mktemp("replica-busy"), kv_cache_bytes=8 * 1024 * 1024,
-                        stream_keepalive_s=0.1, max_queued_tokens=1000,
-                        limits=Limits(max_batch=1, max_waiting=8, default_max_tokens=32))
+                        disk_dir=tmp_path_factory.mktemp("replica-busy"),
+                        engine=REPLICA_ENGINE.replace(kv_cache_bytes=8 * 1024 * 1024, max_batch=1),
+                        limits=Limits(max_waiting=8, default_max_tokens=32, stream_keepalive_s=0.1,
+                                      max_queued_tokens=1000))
     with ReplicaServer(cfg) as srv:
         yield srv
 
@@ -41,11 +41,11 @@ def busy_engine(dev_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lone_slot(dev_model, service_archives, tmp_path_factory):
     """One device slot: a request on a second adapter waits for the slot (before the engine)."""
-    from handler.serving.handler import Limits
+    from handler.serving.config import Limits
 
     cfg = make_config(dev_model, service_archives, tmp_path_factory.mktemp("replica-liveness"), replica_id="rl",
-                      rank_pools={16: 1}, stream_keepalive_s=0.1, max_queued_tokens=0,
-                      limits=Limits(rank_limit=16, max_waiting=4, default_max_tokens=32))
+                      rank_pools={16: 1}, limits=Limits(rank_limit=16, max_waiting=4, default_max_tokens=32,
+                                                        stream_keepalive_s=0.1, max_queued_tokens=0))
     with ReplicaServer(cfg) as srv:
         yield srv
 

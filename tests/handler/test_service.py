@@ -252,7 +252,7 @@ async def test_health_and_metrics(replica):
 
 @pytest.fixture(scope="module")
 def one_slot(dev_model, service_archives, tmp_path_factory):
-    from handler.serving.handler import Limits
+    from handler.serving.config import Limits
 
     cfg = make_config(dev_model, service_archives, tmp_path_factory.mktemp("replica-one-slot"), replica_id="r1",
                       rank_pools={16: 1}, admin_token="s3cret",

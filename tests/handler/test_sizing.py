@@ -43,7 +43,7 @@ def test_gpu_sizes_from_the_device_memory():
 
 
 def test_flags_override_and_defaults_apply(tmp_path, dev_model):
-    from handler.serving.cli import build_config
+    from handler.cli import build_config
     from lorafarm.cli import build_parser
 
     base = tmp_path / "smol"
@@ -52,9 +52,9 @@ def test_flags_override_and_defaults_apply(tmp_path, dev_model):
     parse = build_parser().parse_args
     cfg = build_config(parse(["replica", "--base", str(base), "--device", "cpu"]))
     assert cfg.rank_pools == {8: 8, 16: 1, 32: 1, 64: 1} and cfg.slots == 8
-    assert 64 * MiB <= cfg.kv_cache_bytes <= 300 * MiB
+    assert 64 * MiB <= cfg.engine.kv_cache_bytes <= 300 * MiB
     cfg = build_config(parse(["replica", "--base", str(base), "--device", "cpu", "--slots", "3",
                               "--kv-cache-bytes", "1GiB"]))
-    assert cfg.rank_pools is None and cfg.slots == 3 and cfg.kv_cache_bytes == GiB
+    assert cfg.rank_pools is None and cfg.slots == 3 and cfg.engine.kv_cache_bytes == GiB
     cfg = build_config(parse(["replica", "--base", str(dev_model), "--device", "cpu"]))
     assert cfg.rank_pools == {8: 8, 16: 8, 32: 8, 64: 8}  # the dev model: the old default

@@ -80,7 +80,7 @@ def test_disabled_or_unbuildable_falls_back_with_a_warning(tmp_path):
     code = (
         "import logging, torch, torch.nn.functional as F\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from handler import small_gemm\n"
+        "from handler.model import small_gemm\n"
         "x, w = torch.randn(2, 16), torch.randn(8, 16)\n"
         "assert torch.equal(small_gemm.linear(x, w), F.linear(x, w))\n"
         "print('available', small_gemm.available())\n"

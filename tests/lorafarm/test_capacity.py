@@ -81,7 +81,7 @@ def _replica_args(base, *extra):
 
 
 def test_replica_derives_pools_from_budget(tmp_path, monkeypatch):
-    from handler.serving.cli import build_config
+    from handler.cli import build_config
     from lorafarm.errors import CliError
 
     monkeypatch.delenv("LORAFARM_REGISTRY_URL", raising=False)
@@ -102,7 +102,7 @@ def test_budget_matches_the_engine_allocation(dev_model):
     """The arithmetic agrees with what the real multi-LoRA stacks allocate at the tiny model's shapes."""
     import torch
 
-    from handler.serving.cli import pools_from_budget
+    from handler.cli import pools_from_budget
     from handler.model.lora import ModelLoRA
     from handler.model.runner import ModelConfig, load_hf_config
 

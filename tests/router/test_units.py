@@ -1,6 +1,7 @@
 """Rate limiter, SLO tracker, auth cache, catalog, request parsing."""
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from router.auth import AuthCache, AuthUnavailable, InvalidApiKey
 from router.catalog import Catalog, ModelNotFound
+from router.config import RouterSettings
 from router.openai_api import CHAT, COMPLETIONS, ApiError, parse_request
 from router.ratelimit import RateLimiter
 from router.slo import SloTracker, percentile
@@ -274,8 +276,31 @@ def test_inactive_adapter_is_not_found():
 def test_parse_and_estimate():
     p = parse_request(CHAT, b'{"model":"m","messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":10}', 256)
     assert (p.prompt_tokens, p.max_tokens, p.cost, p.stream) == (6, 10, 16, False)
+    # no max_tokens field on a completion: its schema's default (16), whatever the chat default
     p = parse_request(COMPLETIONS, b'{"model":"m","prompt":[1,2,3],"n":2,"stream":true}', 100)
-    assert (p.prompt_tokens, p.cost, p.stream) == (3, 203, True)
+    assert (p.prompt_tokens, p.cost, p.stream) == (3, 35, True)
+    p = parse_request(COMPLETIONS, b'{"model":"m","prompt":[1,2,3],"max_tokens":null}', 100)
+    assert (p.max_tokens, p.cost) == (100, 103)
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    (CHAT, {}), (CHAT, {"max_tokens": 40}), (CHAT, {"max_completion_tokens": 7}), (CHAT, {"max_tokens": None}),
+    (CHAT, {"max_tokens": 40, "max_completion_tokens": 1}), (CHAT, {"max_tokens": 1, "max_completion_tokens": 40}),
+    (COMPLETIONS, {}), (COMPLETIONS, {"max_tokens": 99}), (COMPLETIONS, {"max_tokens": None}),
+])
+def test_the_router_charges_what_the_replica_generates(endpoint, body):
+    """One max_tokens rule (lorafarm.openai_schemas.effective_max_tokens): the router's charge is the limit
+    the replica's schema resolves, or the one default (512, the replica's) where none is sent."""
+    from lorafarm import openai_schemas as oai
+
+    if endpoint == CHAT:
+        full, model = {"model": "m", "messages": [{"role": "user", "content": "x"}], **body}, oai.ChatCompletionRequest
+    else:
+        full, model = {"model": "m", "prompt": "x", **body}, oai.CompletionRequest
+    replica = oai.parse_request(model, full).max_tokens  # None: the replica's default applies
+    charged = parse_request(endpoint, json.dumps(full).encode(), RouterSettings().default_max_tokens).max_tokens
+    assert charged == (oai.DEFAULT_MAX_TOKENS if replica is None else replica)
+    assert RouterSettings().default_max_tokens == oai.DEFAULT_MAX_TOKENS == 512
 
 
 @pytest.mark.parametrize(

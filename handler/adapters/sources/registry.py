@@ -7,6 +7,7 @@ from pathlib import Path
 
 from handler.adapters.errors import AdapterLoadError, AdapterNotFoundError
 from handler.adapters.sources.store import StoreFetch
+from lorafarm.registry_client import RegistryError
 
 
 class RegistrySource(StoreFetch):
@@ -24,8 +25,6 @@ class RegistrySource(StoreFetch):
         self._known: dict[str, tuple[float, dict | None]] = {}  # adapter_id -> (expires, adapter or None)
 
     async def _describe(self, adapter_id: str) -> dict | None:
-        from lorafarm.registry_client import RegistryError
-
         hit = self._known.get(adapter_id)
         now = time.monotonic()
         if hit is not None and hit[0] > now:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from archives.errors import StoreError
+
 
 class StoreFetch:
     """Fetch a `weights_uri` from the configured object store; a URI outside the store is refused."""
@@ -13,8 +15,6 @@ class StoreFetch:
         self.store = store
 
     def _key(self, adapter_id: str, uri: str) -> str:
-        from archives.errors import StoreError
-
         key = self.store.key_for(uri)
         if key is None:
             raise StoreError(f"weights_uri {uri!r} of {adapter_id} lies outside the configured object store")

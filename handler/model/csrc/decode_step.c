@@ -24,13 +24,18 @@
 #include "small_gemm.c"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define GROUPS 4 /* qkv, o, gate_up, down: handler/model/lora.py GROUPS, in that order */
+/* handler/model/lora.py GROUPS, in that order (each group's modules in the order of the ABI table below) */
+enum { G_QKV, G_O, G_GATE_UP, G_DOWN, GROUPS };
 #define MAX_MODULES 3
 #define MAX_ROWS 64 /* handler/model/decode_step.py MAX_ROWS */
 
+/* Mirrored by handler/model/decode_step.py `_Model` (ctypes): the ABI table at the end of this file
+ * (lf_decode_step_abi) reports its size and every field's offset, and the Python side refuses a library
+ * whose table differs from its own definitions. A field added here goes into that table too. */
 typedef struct {
     long hidden, heads, kv_heads, head_dim, inter, vocab, layers, block_size;
     float eps;
@@ -188,10 +193,10 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
     long E = md->hidden, H = md->heads, KVH = md->kv_heads, D = md->head_dim, I = md->inter;
     long qd = H * D, kvd = KVH * D, QKV = qd + 2 * kvd;
     Group G[GROUPS] = {
-        {E, 3, {qd, kvd, kvd}, {0, qd, qd + kvd}},
-        {qd, 1, {E}, {0}},
-        {E, 2, {I, I}, {0, I}},
-        {I, 1, {E}, {0}},
+        [G_QKV] = {E, 3, {qd, kvd, kvd}, {0, qd, qd + kvd}}, /* q, k, v */
+        [G_O] = {qd, 1, {E}, {0}},
+        [G_GATE_UP] = {E, 2, {I, I}, {0, I}}, /* gate, up */
+        [G_DOWN] = {I, 1, {E}, {0}},
     };
     long max_r = 0;
     for (long p = 0; p < md->pools; p++) max_r = md->rank[p] > max_r ? md->rank[p] : max_r;
@@ -216,7 +221,7 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
             rmsnorm(x + m * E, md->in_norm[l], h + m * E, E, md->eps);
         }
         linear(h, md->qkv[l], md->qkv_b[l], qkv, M, E, QKV, threads, par_min);
-        lora(md, l, 0, &G[0], M, lora_pool, lora_slot, h, qkv, QKV, lh, lh_stride, threads, par_min);
+        lora(md, l, G_QKV, &G[G_QKV], M, lora_pool, lora_slot, h, qkv, QKV, lh, lh_stride, threads, par_min);
         /* every row's K/V is written before any row attends: rows of one sequence at consecutive positions
            (a speculative step's draft tokens) each read the K/V the rows before them write in this layer */
         for (long m = 0; m < M; m++) {
@@ -232,18 +237,18 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
             attend_row(md, kc, vc, qkv + m * QKV, tables + m * nb, positions[m] + 1, att + m * qd,
                        sc + omp_get_thread_num() * ctx_max);
         linear(att, md->o[l], md->o_b[l], o, M, qd, E, threads, par_min);
-        lora(md, l, 1, &G[1], M, lora_pool, lora_slot, att, o, E, lh, lh_stride, threads, par_min);
+        lora(md, l, G_O, &G[G_O], M, lora_pool, lora_slot, att, o, E, lh, lh_stride, threads, par_min);
         #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
         for (long m = 0; m < M; m++) {
             for (long i = 0; i < E; i++) x[m * E + i] += o[m * E + i];
             rmsnorm(x + m * E, md->post_norm[l], h + m * E, E, md->eps);
         }
         linear(h, md->gate_up[l], md->gate_up_b[l], gu, M, E, 2 * I, threads, par_min);
-        lora(md, l, 2, &G[2], M, lora_pool, lora_slot, h, gu, 2 * I, lh, lh_stride, threads, par_min);
+        lora(md, l, G_GATE_UP, &G[G_GATE_UP], M, lora_pool, lora_slot, h, gu, 2 * I, lh, lh_stride, threads, par_min);
         #pragma omp parallel for num_threads(rt) if (rt > 1) schedule(dynamic, 1)
         for (long m = 0; m < M; m++) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, mm + m * I, I);
         linear(mm, md->down[l], md->down_b[l], d, M, I, E, threads, par_min);
-        lora(md, l, 3, &G[3], M, lora_pool, lora_slot, mm, d, E, lh, lh_stride, threads, par_min);
+        lora(md, l, G_DOWN, &G[G_DOWN], M, lora_pool, lora_slot, mm, d, E, lh, lh_stride, threads, par_min);
     }
     for (long m = 0; m < M; m++) {
         for (long i = 0; i < E; i++) x[m * E + i] += d[m * E + i];
@@ -252,4 +257,40 @@ int lf_decode_step(const Model *md, long M, const long *tokens, const long *posi
     linear(h, md->lm_head, NULL, logits, M, E, md->vocab, threads, 0);
     free(buf);
     return 0;
+}
+
+/* The ABI handler/model/decode_step.py mirrors by hand, as (name, value) pairs: the constants, the size of
+ * `long` (the index arrays are int64 tensors), the layout of `Model`, and the LoRA groups in their order
+ * with each group's modules in the order of G above. decode_step.py compares it with its ctypes
+ * definitions when the library is loaded and refuses a library whose table differs, naming the items. */
+typedef struct {
+    const char *name;
+    long value;
+} AbiItem;
+
+#define FIELD(f) {"Model." #f, (long)offsetof(Model, f)}
+static const AbiItem ABI[] = {
+    {"MAX_ROWS", MAX_ROWS},
+    {"MAX_MODULES", MAX_MODULES},
+    {"GROUPS", GROUPS},
+    {"sizeof(long)", (long)sizeof(long)},
+    {"sizeof(Model)", (long)sizeof(Model)},
+    FIELD(hidden), FIELD(heads), FIELD(kv_heads), FIELD(head_dim), FIELD(inter), FIELD(vocab), FIELD(layers),
+    FIELD(block_size), FIELD(eps),
+    FIELD(in_norm), FIELD(post_norm), FIELD(qkv), FIELD(qkv_b), FIELD(o), FIELD(o_b), FIELD(gate_up),
+    FIELD(gate_up_b), FIELD(down), FIELD(down_b),
+    FIELD(k_cache), FIELD(v_cache), FIELD(cache_layer_stride),
+    FIELD(embed), FIELD(norm), FIELD(lm_head), FIELD(cos), FIELD(sin),
+    FIELD(pools), FIELD(rank), FIELD(lora_a), FIELD(lora_b),
+    {"group.qkv", G_QKV}, {"group.qkv.q_proj", 0}, {"group.qkv.k_proj", 1}, {"group.qkv.v_proj", 2},
+    {"group.o", G_O}, {"group.o.o_proj", 0},
+    {"group.gate_up", G_GATE_UP}, {"group.gate_up.gate_proj", 0}, {"group.gate_up.up_proj", 1},
+    {"group.down", G_DOWN}, {"group.down.down_proj", 0},
+};
+#undef FIELD
+
+/* *items = the table; returns its length */
+long lf_decode_step_abi(const AbiItem **items) {
+    *items = ABI;
+    return (long)(sizeof ABI / sizeof ABI[0]);
 }

@@ -1,13 +1,22 @@
-"""`lorafarm replica`: serve one base model and its adapters (handler.serving.app on uvicorn)."""
+"""`lorafarm replica`: serve one base model and its adapters (handler.serving.app on uvicorn).
+
+The engine's flags are `EngineConfig`'s own (`EngineConfig.add_arguments`): declared once, read back
+whole into `ReplicaConfig.engine` (`build_config`), handed whole to the engine.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
+from pathlib import Path
 
-from handler.engine.speculate import SPECULATE_TOKENS
+from handler.engine.config import DEFAULT_RANK_POOLS, EngineConfig
+from handler.serving.config import Limits, ReplicaConfig
+from handler.serving.sizing import size_replica
+from lorafarm.capacity import ModelDims, slots_for_budget
 from lorafarm.errors import CliError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -50,12 +59,6 @@ def pools_from_budget(base_dir, budget_bytes: int, rank_mix: dict[int, float] | 
                       dtype: str) -> dict[int, int]:
     """Slots per rank pool from a LoRA memory budget (lorafarm.capacity.slots_for_budget) at the base's
     shapes; without a mix the budget is split evenly over the default pools up to the rank limit."""
-    import json
-    from pathlib import Path
-
-    from handler.serving.handler import DEFAULT_RANK_POOLS
-    from lorafarm.capacity import ModelDims, slots_for_budget
-
     mix = rank_mix or {r: 1.0 for r in DEFAULT_RANK_POOLS if r <= rank_limit} or {rank_limit: 1.0}
     if max(mix) > rank_limit:
         raise CliError(f"--rank-mix has rank {max(mix)} above --rank-limit {rank_limit}")
@@ -68,21 +71,12 @@ def pools_from_budget(base_dir, budget_bytes: int, rank_mix: dict[int, float] | 
     return pools
 
 
-def auto_sizing(base_dir, dtype: str, device: str | None, args: argparse.Namespace):
+def auto_sizing(base_dir, dtype: str, device: str, args: argparse.Namespace):
     """KV budget and rank pools from the model's config and the machine's memory (handler/serving/sizing.py)."""
-    import json
-    from pathlib import Path
-
-    from handler.serving.sizing import size_replica
-
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = json.loads((Path(base_dir) / "config.json").read_text())
     try:
         return size_replica(cfg, dtype_bytes=4 if dtype == "float32" else 2, device=device,
-                            max_batch=args.max_batch, rank_limit=args.rank_limit)
+                            max_batch=args.engine_max_batch, rank_limit=args.rank_limit)
     except (KeyError, TypeError, ValueError) as e:
         raise CliError(f"--base {base_dir}: cannot size the replica from config.json ({e}); pass --kv-cache-bytes "
                        "and --slots") from None
@@ -131,36 +125,12 @@ def register(sub) -> None:
     p.add_argument("--ram-bytes", type=parse_size, default=4 * 1024**3, help="host RAM tier budget (default 4GiB)")
     p.add_argument("--disk-bytes", type=parse_size, default=32 * 1024**3, help="disk tier budget (default 32GiB)")
     p.add_argument("--disk-dir", default=None, help="disk tier folder (default var/replicas/<id>)")
-    p.add_argument("--kv-cache-bytes", type=parse_size, default=None,
-                   help="KV cache budget (default: sized from the model's dims and the machine's memory, "
-                        "handler/serving/sizing.py)")
     p.add_argument("--rank-limit", type=int, default=64, help="largest adapter rank accepted (default 64)")
     p.add_argument("--merged-adapter", default=None, metavar="ADAPTER_ID",
                    help="merged mode: fold this adapter into the base and serve only it")
-    p.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--max-batch", type=int, default=32, help="requests in the running batch (default 32)")
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="prompt tokens prefilled per engine step, over all requests (a longer prompt is split across "
-                        "steps; more: a burst's first tokens sooner, running streams wait longer; default: Limits')")
-    p.add_argument("--attention", default="auto", choices=["auto", "paged", "gather"],
-                   help="decode attention: paged (read in place on the KV cache, a compiled kernel), gather "
-                        "(blocks copied out, then SDPA), or auto (a fixed rule of device and shapes, paged only where "
-                        "the kernel compiles and checks correct; nothing is timed at startup)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="a row's arithmetic independent of the batch around it (same tokens and logits at temperature "
-                        "0 alone or in a batch; docs/architecture.md); excludes --compile")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefill every prompt from scratch (default: KV blocks of identical prompt prefixes are "
-                        "reused, only within one tenant, adapter and base: docs/architecture.md, Prefix cache)")
-    p.add_argument("--speculate", type=int, default=SPECULATE_TOKENS, metavar="N",
-                   help="n-gram draft tokens per greedy request and decode step, checked in the same step (the "
-                        "answer is the same token for token; a few rows cost about one on CPU; 0: off; default "
-                        f"{SPECULATE_TOKENS}; handler/engine/speculate.py)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the layer pieces of decode steps, padded to batch buckets (CUDA graphs on "
-                        "cuda); compiles for a minute or more at first use")
+    # the engine's settings: every flag of EngineConfig (--device, --dtype, --kv-cache-bytes, --max-batch,
+    # --max-prefill-tokens, --attention, --compile, --batch-invariant, --no-prefix-cache, --speculate)
+    EngineConfig.add_arguments(p, parse_size=parse_size)
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; 429 above (default 256)")
     p.add_argument("--max-queued-tokens", type=int, default=65536,
                    help="shed with 503 overloaded + Retry-After before accepting a request when the engine's "
@@ -191,13 +161,8 @@ def register(sub) -> None:
     p.set_defaults(func=_replica)
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace) -> ReplicaConfig:
     """argparse namespace -> ReplicaConfig (checked: paths exist, flags consistent)."""
-    from pathlib import Path
-
-    from handler.serving.app import ReplicaConfig
-    from handler.serving.handler import Limits
-
     base = Path(args.base)
     if not (base / "config.json").is_file():
         raise CliError(f"--base {base}: no config.json (a Hugging Face model folder is expected)")
@@ -215,15 +180,14 @@ def build_config(args: argparse.Namespace):
         raise CliError("no trusted public key: pass --trust public.pem (or set LORAFARM_TRUST)")
     if (args.slots is not None and args.slots < 0) or args.rank_limit < 1:
         raise CliError("--slots must be >= 0 and --rank-limit >= 1")
-    if getattr(args, "speculate", 0) < 0:
+    if args.engine_speculate < 0:
         raise CliError("--speculate must be >= 0 (0: no draft tokens)")
-    device = args.device
-    dtype = args.dtype
-    if dtype is None:
-        import torch
-
-        cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        dtype = "bfloat16" if cuda else "float32"
+    if args.engine_max_prefill_tokens < 1:
+        raise CliError(f"--max-prefill-tokens {args.engine_max_prefill_tokens}: must be >= 1")
+    if args.grammar_workers < 1 or args.grammar_timeout_s <= 0 or args.grammar_memory_bytes < 64 * 1024**2:
+        raise CliError("--grammar-workers must be >= 1, --grammar-timeout-s > 0, --grammar-memory-bytes >= 64MiB")
+    device = args.engine_device or _default_device()
+    dtype = args.engine_dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     rank_pools = args.rank_pools
     if args.lora_memory_bytes is not None:
         if rank_pools:
@@ -232,7 +196,7 @@ def build_config(args: argparse.Namespace):
                                        dtype=dtype)
     elif args.rank_mix:
         raise CliError("--rank-mix needs --lora-memory-bytes")
-    slots, kv_cache_bytes = args.slots, args.kv_cache_bytes
+    slots, kv_cache_bytes = args.slots, args.engine_kv_cache_bytes
     if (rank_pools is None and slots is None) or kv_cache_bytes is None:
         sizing = auto_sizing(base, dtype, device, args)
         print(f"lorafarm replica: sized from the model and the machine: {sizing.describe()}", file=sys.stderr)
@@ -242,57 +206,54 @@ def build_config(args: argparse.Namespace):
             rank_pools = {r: s for r, s in sizing.rank_pools.items() if r <= args.rank_limit}
     if slots is None:
         slots = max(rank_pools.values()) if rank_pools else 8
-    if args.grammar_workers < 1 or args.grammar_timeout_s <= 0 or args.grammar_memory_bytes < 64 * 1024**2:
-        raise CliError("--grammar-workers must be >= 1, --grammar-timeout-s > 0, --grammar-memory-bytes >= 64MiB")
-    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
-        raise CliError(f"--max-prefill-tokens {args.max_prefill_tokens}: must be >= 1")
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting, rank_limit=args.rank_limit,
-                    max_batch=args.max_batch, grammar_workers=args.grammar_workers,
+    try:
+        engine = EngineConfig.from_args(args, dtype=dtype, kv_cache_bytes=kv_cache_bytes)
+    except ValueError as e:  # flags the engine refuses together (e.g. --batch-invariant with --compile)
+        raise CliError(str(e)) from None
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+                    max_queued_tokens=args.max_queued_tokens, stream_keepalive_s=args.stream_keepalive_s,
+                    rank_limit=args.rank_limit, grammar_workers=args.grammar_workers,
                     grammar_timeout_s=args.grammar_timeout_s, grammar_memory_bytes=args.grammar_memory_bytes,
-                    grammar_cache_bytes=args.grammar_cache_bytes,
-                    **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
+                    grammar_cache_bytes=args.grammar_cache_bytes)
     return ReplicaConfig(
         base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host, port=args.port,
         advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,
         store_url=args.store_url, s3_endpoint_url=args.s3_endpoint_url, trust=[Path(t) for t in trust],
         adapter_catalog=Path(args.adapter_catalog) if args.adapter_catalog else None, slots=slots,
         rank_pools=rank_pools, ram_bytes=args.ram_bytes, disk_bytes=args.disk_bytes,
-        disk_dir=Path(args.disk_dir) if args.disk_dir else None, kv_cache_bytes=kv_cache_bytes,
-        device=device, dtype=dtype, merged_adapter=args.merged_adapter, limits=limits,
-        shutdown_grace_s=args.shutdown_grace_s,
-        max_queued_tokens=getattr(args, "max_queued_tokens", 65536),
-        stream_keepalive_s=getattr(args, "stream_keepalive_s", 2.0),
+        disk_dir=Path(args.disk_dir) if args.disk_dir else None, merged_adapter=args.merged_adapter,
+        engine=engine, limits=limits, shutdown_grace_s=args.shutdown_grace_s,
         prefetch_interval_s=args.prefetch_interval_s, load_nice=args.load_nice,
-        attention=args.attention, compile=getattr(args, "compile", False),
-        batch_invariant=getattr(args, "batch_invariant", False),
-        prefix_cache=not getattr(args, "no_prefix_cache", False),
-        speculate=getattr(args, "speculate", SPECULATE_TOKENS),
         prewarm=args.prewarm if args.prewarm is not None or args.lora_memory_bytes is None else sum(rank_pools.values()))
 
 
-def build_embed_config(args: argparse.Namespace):
-    from pathlib import Path
+def _default_device() -> str:
+    import torch  # lazy: only to pick a device when --device is not given
 
-    from handler.embed.app import EmbedConfig
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_embed_config(args: argparse.Namespace):
+    from handler.embed.app import EmbedConfig  # lazy: the embedding worker's app (litestar, torch)
 
     base = Path(args.base)
     if not (base / "config.json").is_file():
         raise CliError(f"--base {base}: no config.json (a Hugging Face encoder folder is expected)")
-    if args.max_batch < 1:
+    if args.engine_max_batch < 1:
         raise CliError("--max-batch must be >= 1")
     return EmbedConfig(base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host,
                        port=args.port, advertise_url=args.advertise_url, registry_url=args.registry,
-                       admin_token=args.admin_token, device=args.device, max_batch=args.max_batch,
+                       admin_token=args.admin_token, device=args.engine_device, max_batch=args.engine_max_batch,
                        max_body_bytes=max(args.max_body_bytes, 8 * 1024 * 1024))
 
 
 def _replica(args: argparse.Namespace) -> int:
     if args.task == "embed":
-        from handler.embed.app import run as run_embed
+        from handler.embed.app import run as run_embed  # lazy: the embedding worker's app (litestar, torch)
 
         run_embed(build_embed_config(args), log_level=args.log_level)
         return 0
-    from handler.serving.app import run
+    from handler.serving.app import run  # lazy: the replica's app (litestar, the engine), not for `lorafarm --help`
 
     # inductor's compiled kernels kept across runs (`lorafarm up` points it into its state dir)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
