@@ -47,7 +47,7 @@ ROUTING_ARGS = {"affinity": [], "class-order": ["--score", "class-order"],
                 "random": ["--strategy", "random", "--no-affinity"]}
 THROUGHPUT_DISTINCT = (1, 8, 32)
 TENANT = "loadtest"
-NO_PREFIX_CACHE = "--no-prefix-cache"  # the replica's flag (handler/serving/cli.py)
+NO_PREFIX_CACHE = "--no-prefix-cache"  # the replica's flag (handler/cli.py)
 PREFIX_AB_RUNS = (("prefix-on", True), ("prefix-off", False))  # run name, replicas' prefix cache on
 
 
