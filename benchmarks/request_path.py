@@ -98,7 +98,9 @@ def main(argv=None) -> int:
         base = _dev_model("tiny")
     s = summarise(trace_one_request(base, args.stream))
     for name, p in s["paths"].items():
-        print(f"thread {name}: {' -> '.join(Path(f).name for f in p)}")
+        role = "engine thread" if name == "lorafarm-engine" else "serving loop" if "(run)" in name else name
+        print(f"{role}: {len(set(p))} files, {len(p)} steps, {len(p) - len(set(p))} revisits: "
+              f"{' -> '.join(f.removeprefix('handler/') for f in p)}")
     print(f"files visited: {s['files']}; steps: {s['steps']}; revisits: {s['revisits']}")
     print("files:", ", ".join(s["file_list"]))
     return 0
