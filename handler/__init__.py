@@ -18,7 +18,8 @@ one after it (tests/handler/test_import_graph.py checks this and that there is n
 
 Over every room, `handler.cli` (`lorafarm replica`) reads the flags and starts a replica or an
 embedding worker; nothing imports it but lorafarm's CLI. Any room may import `handler.threads`
-(thread priority), which imports nothing of handler/.
+(thread priority, per-tenant fair queues and the thread pool that serves them), which imports nothing
+of handler/.
 
 Shared with the router and registry: `lorafarm` (OpenAI wire schemas, the max_tokens rule).
 """

@@ -148,6 +148,15 @@ def register(sub) -> None:
                    help="memory limit of one grammar compile (RLIMIT_DATA headroom of a worker; default 1GiB)")
     p.add_argument("--grammar-cache-bytes", type=parse_size, default=256 * 1024**2,
                    help="compiled grammars kept in the replica, bounded by bytes; a tenant gets 1/4 (default 256MiB)")
+    p.add_argument("--prep-threads", type=int, default=2,
+                   help="threads that parse and tokenize large bodies, shared fairly by tenant (a tenant uses at "
+                        "most all but one; default 2)")
+    p.add_argument("--prep-tenant-queue", type=int, default=8,
+                   help="large bodies one tenant may have waiting for a prep thread; 429 prep_queue_full above "
+                        "(default 8)")
+    p.add_argument("--grammar-tenant-waiting", type=int, default=16,
+                   help="grammar compiles one tenant may have waiting for a worker; 429 grammar_queue_full above "
+                        "(default 16; all tenants together: 64, a tenant under its share still admitted)")
     p.add_argument("--load-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
                    help="CPU priority (nice) of adapter-load threads, so cold loads never slow the running "
                         "batch's decode (0: same priority)")
@@ -184,6 +193,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
         raise CliError("--speculate must be >= 0 (0: no draft tokens)")
     if args.engine_max_prefill_tokens < 1:
         raise CliError(f"--max-prefill-tokens {args.engine_max_prefill_tokens}: must be >= 1")
+    if args.prep_threads < 1 or args.prep_tenant_queue < 1 or args.grammar_tenant_waiting < 1:
+        raise CliError("--prep-threads, --prep-tenant-queue and --grammar-tenant-waiting must be >= 1")
     if args.grammar_workers < 1 or args.grammar_timeout_s <= 0 or args.grammar_memory_bytes < 64 * 1024**2:
         raise CliError("--grammar-workers must be >= 1, --grammar-timeout-s > 0, --grammar-memory-bytes >= 64MiB")
     device = args.engine_device or _default_device()
@@ -214,7 +225,8 @@ def build_config(args: argparse.Namespace) -> ReplicaConfig:
                     max_queued_tokens=args.max_queued_tokens, stream_keepalive_s=args.stream_keepalive_s,
                     rank_limit=args.rank_limit, grammar_workers=args.grammar_workers,
                     grammar_timeout_s=args.grammar_timeout_s, grammar_memory_bytes=args.grammar_memory_bytes,
-                    grammar_cache_bytes=args.grammar_cache_bytes)
+                    grammar_cache_bytes=args.grammar_cache_bytes, prep_threads=args.prep_threads,
+                    prep_tenant_queue=args.prep_tenant_queue, grammar_tenant_waiting=args.grammar_tenant_waiting)
     return ReplicaConfig(
         base_dir=base, replica_id=args.replica_id, model_name=args.model_name, host=args.host, port=args.port,
         advertise_url=args.advertise_url, registry_url=args.registry, admin_token=args.admin_token,

@@ -26,6 +26,20 @@ What is real and what is modelled:
   whole blocks); once its prefill step ends the prompt's blocks are cached, kept by reference while
   the request runs, evicted least recently used beyond `prefix_cache_tokens` per replica.
   `prefix_cache=False` is a replica started with --no-prefix-cache.
+- Each replica's batch admission is the engine's own fairness policy (`handler.engine.fairness.
+  FairPolicy`, pure, as the engine's scheduler runs it; issue 35): with `scheduling="fair"` the
+  next request admitted is the head of the backlogged tenant with the least virtual token counter
+  (first among the tenants below their guaranteed rows), and when the batch is full a tenant below
+  its share takes the row of the youngest request of the tenant most over its share (preempted by
+  recompute: back at the head of the queue, its prompt and the tokens it generated prefilled again
+  when it is readmitted, its TTFT unchanged); tenants are charged the prompt tokens prefilled for
+  them and one decode token per row per step. `scheduling="fifo"` admits the head of the queue.
+  Tenants come from the workload: with `tenants` N > 0 adapter i belongs to tenant "t{i % N}" (the
+  hot adapter to "hot"); with 0 every request is one anonymous tenant, for which both modes make
+  the same choices (the policy's guarantee), so results without tenants are unchanged. A hostile
+  tenant ("hostile", `hostile_rate` > 0) sends requests of `hostile_n` rows (n choices) with
+  `hostile_output_tokens` each, routed as one request. Not modelled: the KV cache (no KV
+  preemption: a row never fails to grow), prefix-block deferral, tenant weights (all 1).
 
 Results exclude the first `warmup_s` seconds (adapters reach their steady tiers first).
 """
@@ -46,6 +60,7 @@ import numpy as np
 import simpy
 
 from handler.adapters.slots import SlotPolicy
+from handler.engine.fairness import FairPolicy
 from loadtests.workload import _lognormal_int, zipf_weights
 from lorafarm import capacity as cap
 from lorafarm.schemas import HeldAdapter, ReplicaState
@@ -57,6 +72,8 @@ from router.view import ReplicaView
 BASE_HASH = "sha256:sim-base"
 BASE_NAME = "sim-base"
 HOT_ADAPTER = "ad-hot"
+HOSTILE_ADAPTER = "ad-hostile"
+HOSTILE_TENANT = "hostile"
 PROMPT_SIGMA = 0.6  # log-normal shapes of loadtests.workload.generate
 OUTPUT_SIGMA = 0.5
 SYSTEM_SIGMA = 0.5  # of the per-adapter system prompt length (loadtests.workload's default)
@@ -126,6 +143,13 @@ class SimConfig:
     prefix_cache: bool = True  # False: replicas started with --no-prefix-cache
     prefix_cache_tokens: int = 32_000  # cached prefix tokens kept per replica (half the seed's 32 x 2,000 KV)
     prefix_block_tokens: int = 16  # the replica's KV block: only whole blocks are reused
+    # fair share by tenant (issue 35): the engine's batch admission (handler.engine.fairness)
+    scheduling: str = "fair"  # fair | fifo (the replica's --scheduling)
+    tenants: int = 0  # adapter i belongs to tenant t{i % tenants}; 0: one anonymous tenant
+    hostile_rate: float = 0.0  # requests/s of a hostile tenant (0: none)
+    hostile_n: int = 16  # rows (n choices) per hostile request
+    hostile_prompt_tokens: int = 50
+    hostile_output_tokens: int = 600
 
     def check(self) -> None:
         if self.replicas < 1 or self.adapters < 1 or self.rate < 0 or self.duration <= 0:
@@ -142,6 +166,14 @@ class SimConfig:
             raise ValueError("system_prompt_tokens must be >= 1")
         if self.prefix_cache_tokens < 0 or self.prefix_block_tokens < 1:
             raise ValueError("prefix_cache_tokens must be >= 0 and prefix_block_tokens >= 1")
+        if self.scheduling not in ("fair", "fifo"):
+            raise ValueError(f"scheduling must be fair or fifo, not {self.scheduling!r}")
+        if self.tenants < 0 or self.hostile_rate < 0 or self.hostile_n < 1:
+            raise ValueError("tenants and hostile_rate must be >= 0 and hostile_n >= 1")
+        if self.hostile_rate > 0 and not (1 <= self.hostile_prompt_tokens and 1 <= self.hostile_output_tokens
+                                          and self.hostile_prompt_tokens + self.hostile_output_tokens
+                                          <= self.max_request_tokens):
+            raise ValueError("hostile prompt and output tokens must be >= 1 and fit max_request_tokens")
 
 
 class PrefixCachePolicy:
@@ -217,10 +249,10 @@ class PrefixCachePolicy:
 
 class Req:
     __slots__ = ("arrival", "adapter", "rank", "prompt", "output", "est", "replica", "tier", "ttft", "hot", "system",
-                 "cached")
+                 "cached", "tenant", "order", "produced", "admitted_at", "finish")
 
     def __init__(self, arrival: float, adapter: str, rank: int, prompt: int, output: int, hot: bool = False,
-                 system: int = 0):
+                 system: int = 0, tenant: str | None = None):
         self.arrival = arrival
         self.adapter = adapter
         self.rank = rank
@@ -233,6 +265,11 @@ class Req:
         self.tier = ""
         self.ttft = math.nan
         self.hot = hot
+        self.tenant = tenant  # whose request it is for the batch's fairness policy (None: anonymous)
+        self.order = 0  # its place in its replica's queue (lower: earlier; a preempted one goes first)
+        self.produced = 0  # tokens generated before its last preemption
+        self.admitted_at = 0  # the replica's step count when it was (last) admitted
+        self.finish = 0  # the step at whose end it has generated all its output
 
 
 class SimReplica:
@@ -243,7 +280,15 @@ class SimReplica:
         self.sim, self.env, self.cfg, self.rid = sim, sim.env, c, rid
         self.policy = SlotPolicy(c.rank_pools or {c.rank: c.slots}, ram_bytes=c.ram_adapters * c.adapter_bytes,
                                  disk_bytes=c.disk_adapters * c.adapter_bytes, clock=lambda: self.env.now)
-        self.ready: deque[Req] = deque()
+        # requests ready for the batch (adapter held), one FIFO queue per tenant; `order` is the engine's
+        # single queue order across them
+        self.queues: dict[str | None, deque[Req]] = {}
+        self.n_ready = 0
+        self._order = 0
+        self._front = 0  # orders below every other: a preempted request goes back at the head
+        self.fair = FairPolicy(c.max_batch, clock=lambda: self.env.now)  # the engine's policy (pure)
+        self.preemptions = 0
+        self._owed: dict = defaultdict(int)  # decode tokens not yet charged to each tenant (`_settle`)
         self.running: list[tuple[int, int, Req]] = []  # heap of (finish step, seq, request)
         self.step = 0
         self.sum_finish = 0
@@ -337,9 +382,90 @@ class SimReplica:
                                                     retry=True))
 
     def _ready(self, req: Req) -> None:
-        self.ready.append(req)
+        """The request's adapter is held: it joins the engine's queue (and its tenant the policy)."""
+        self._order += 1
+        req.order = self._order
+        self._enqueue(req)
+        self._settle()
+        self.fair.arrive(req.tenant)
         if self.wake is not None and not self.wake.triggered:
             self.wake.succeed()
+
+    def _settle(self) -> None:
+        """Charge the decode tokens owed (batched per step: charging adds, so this is exact as long
+        as it runs before the policy reads a counter: an arrival's lift, a leave, an admission)."""
+        if self._owed:
+            for t, n in self._owed.items():
+                self.fair.charge(t, decode=n)
+            self._owed.clear()
+
+    def _enqueue(self, req: Req, front: bool = False) -> None:
+        q = self.queues.get(req.tenant)
+        if q is None:
+            q = self.queues[req.tenant] = deque()
+        if front:
+            q.appendleft(req)
+        else:
+            q.append(req)
+        self.n_ready += 1
+
+    def _heads(self) -> list[Req]:
+        """Each tenant's first ready request, in the engine's queue order."""
+        return sorted((q[0] for q in self.queues.values() if q), key=lambda r: r.order)
+
+    def _next_to_admit(self, full: bool) -> Req | None:
+        """`handler.engine.scheduler.Scheduler._next_to_admit` (no prefix-block deferral here)."""
+        if self.cfg.scheduling == "fifo" or len(self.queues) == 1 and not full:
+            if full:
+                return None
+            return self._heads()[0] if len(self.queues) > 1 else next(iter(self.queues.values()))[0]
+        if full and len(self.fair.clients) <= 1:  # one tenant: nobody to take a row from
+            return None
+        heads = self._heads()
+        if len(heads) == 1 and not full:
+            return heads[0]
+        by_tenant = {r.tenant: r for r in heads}
+        below = [t for t in by_tenant if self.fair.below_share(t)]
+        t = self.fair.pick(below if below or full else by_tenant)
+        return None if t is None else by_tenant[t]
+
+    def _take(self, req: Req) -> None:
+        q = self.queues[req.tenant]
+        q.popleft()
+        if not q:
+            del self.queues[req.tenant]
+        self.n_ready -= 1
+
+    def _share_victim(self, tenant) -> Req | None:
+        """The running request preempted so that `tenant`, below its guaranteed rows, gets one: the
+        youngest of the tenant most over its share (`Scheduler._share_victim`)."""
+        if not self.fair.below_share(tenant):
+            return None
+        youngest: dict = {}
+        for _, _, r in self.running:
+            y = youngest.get(r.tenant)
+            if y is None or (r.arrival, r.order) > (y.arrival, y.order):
+                youngest[r.tenant] = r
+        youngest.pop(tenant, None)
+        ordered = dict(sorted(youngest.items(), key=lambda kv: (kv[1].arrival, kv[1].order), reverse=True))
+        t = self.fair.most_over(ordered, strictly=True)
+        return None if t is None else ordered[t]
+
+    def _preempt(self, r: Req) -> None:
+        """Recompute: out of the batch, back at the head of the queue with the tokens it generated."""
+        self.running = [e for e in self.running if e[2] is not r]
+        heapq.heapify(self.running)
+        self.sum_finish -= r.finish
+        r.produced += self.step - r.admitted_at
+        if r.system:
+            self.prefix.unpin(r.adapter)
+        self._front -= 1
+        r.order = self._front
+        self._enqueue(r, front=True)
+        self.waiting_tokens += r.est
+        self.queued += 1
+        self.preemptions += 1
+        self.fair.requeue(r.tenant, "share")
 
     def _finish(self, req: Req) -> None:
         if self.policy.release(req.adapter) and self.slot_waiters:
@@ -348,6 +474,8 @@ class SimReplica:
                 self._follow(w, self.policy.acquire(w.adapter, w.rank, self.cfg.adapter_bytes, retry=True))
         if req.system:
             self.prefix.unpin(req.adapter)
+        self._settle()
+        self.fair.leave(req.tenant, True)
         self.served_tokens += req.output
         self.sim.finished(req)
 
@@ -356,21 +484,37 @@ class SimReplica:
     def _loop(self):
         env, c = self.env, self.cfg
         while True:
-            if not self.ready and not self.running:
+            if not self.n_ready and not self.running:
                 self.wake = env.event()
                 yield self.wake
                 self.wake = None
             admitted: list[Req] = []
             prefill = 0
-            room = c.max_batch - len(self.running)
-            while self.ready and len(admitted) < room:
-                r = self.ready.popleft()
+            if self.n_ready:
+                self._settle()
+            while self.n_ready:
+                full = len(self.running) + len(admitted) >= c.max_batch
+                r = self._next_to_admit(full)
+                if r is None:
+                    break
+                if full:  # fair: a tenant below its share takes the row of one over it
+                    victim = self._share_victim(r.tenant)
+                    if victim is None:
+                        break
+                    self._preempt(victim)
+                self._take(r)
                 admitted.append(r)
-                # a cached system prompt is not prefilled again: only the rest of the prompt is
-                r.cached = self.prefix.lookup(r.adapter if r.system else None, r.prompt, r.system)
+                self.fair.admit(r.tenant)
+                # a cached system prompt is not prefilled again: only the rest of the prompt is (and a
+                # preempted request's generated tokens, recomputed; its tenant is not charged for those)
+                cached = self.prefix.lookup(r.adapter if r.system else None, r.prompt, r.system)
                 if r.system:
                     self.prefix.pin(r.adapter)
-                prefill += r.prompt - r.cached
+                prefill += r.prompt - cached + r.produced
+                if math.isnan(r.ttft):
+                    r.cached = cached
+                    self.fair.charge(r.tenant, prefill=r.prompt - cached)
+                    self.fair.queued(r.tenant, env.now - r.arrival)
             rows = len(self.running) + len(admitted)
             dt = c.decode_step_s + c.decode_step_per_row_s * rows + prefill / c.prefill_tokens_per_s
             yield env.timeout(dt)
@@ -380,13 +524,21 @@ class SimReplica:
             for r in admitted:
                 if r.system:  # its prompt's KV now exists: the shared prefix is kept for the next ones
                     self.prefix.insert(r.adapter, r.system)
-                r.ttft = now - r.arrival
-                finish = self.step + r.output - 1
+                if math.isnan(r.ttft):
+                    r.ttft = now - r.arrival
+                r.admitted_at = self.step - 1
+                finish = r.finish = self.step + (r.output - r.produced) - 1
                 self._seq += 1
                 heapq.heappush(self.running, (finish, self._seq, r))
                 self.sum_finish += finish
                 self.waiting_tokens -= r.est
                 self.queued -= 1
+            owed = self._owed  # every row made one token this step, charged before the policy next decides
+            if len(self.fair.clients) == 1:
+                owed[next(iter(self.fair.clients))] += len(self.running)
+            else:
+                for _, _, r in self.running:
+                    owed[r.tenant] += 1
             while self.running and self.running[0][0] <= self.step:
                 finish, _, r = heapq.heappop(self.running)
                 self.sum_finish -= finish
@@ -419,6 +571,10 @@ class SimResult:
     cost_per_m_tokens: float  # prompt + output
     cost_per_m_output_tokens: float
     hot: dict | None
+    # per tenant (with `tenants` or a hostile tenant): rows, TTFT p50/p95/max, output tokens/s; and
+    # "victims": every tenant but the hostile one together
+    tenants: dict | None
+    preemptions: int  # share preemptions, all replicas
     series: dict[str, list]  # t, replicas, rate, p95 per sample window, hot owners
     wall_s: float
 
@@ -449,6 +605,7 @@ class Simulation:
         self.rate_est: dict[str, tuple[float, float]] = {}  # adapter -> (tokens/s, updated at)
         self.window_tokens: dict[str, int] = defaultdict(int)
         self.done: list[Req] = []
+        self.arrived: dict[str, int] = defaultdict(int)  # rows arrived after the warm-up, per tenant
         self.replica_seconds = 0.0
         self.series: dict[str, list] = defaultdict(list)
         self._window_ttft: list[float] = []
@@ -465,7 +622,7 @@ class Simulation:
 
     def rank_of(self, adapter_id: str) -> int:
         ranks = self.cfg.adapter_ranks
-        if not ranks or adapter_id == HOT_ADAPTER:
+        if not ranks or adapter_id in (HOT_ADAPTER, HOSTILE_ADAPTER):
             return ranks[0] if ranks else self.cfg.rank
         return ranks[int(adapter_id[3:]) % len(ranks)]
 
@@ -598,18 +755,48 @@ class Simulation:
                 prompt = min(prompt, c.max_request_tokens - 1 - system)
                 output = min(output, c.max_request_tokens - system - prompt)
                 prompt += system
-            self.route(Req(self.env.now, aid, self.rank_of(aid), prompt, output, hot, system))
+            self.route(Req(self.env.now, aid, self.rank_of(aid), prompt, output, hot, system,
+                           self.tenant_of(aid)))
 
-    def route(self, req: Req) -> None:
+    def tenant_of(self, adapter_id: str) -> str | None:
+        """The workload's tenant of an adapter: None (one anonymous tenant) without `tenants`."""
+        n = self.cfg.tenants
+        if adapter_id == HOSTILE_ADAPTER:
+            return HOSTILE_TENANT
+        if not n:
+            return None
+        if adapter_id == HOT_ADAPTER:
+            return "hot"
+        return f"t{int(adapter_id[3:]) % n}"
+
+    def _hostile(self):
+        """A hostile tenant: Poisson arrivals of `hostile_n`-row requests (n choices, one route)."""
+        c = self.cfg
+        rng = random.Random(c.seed + 17)
+        t = 0.0
+        while True:
+            t += rng.expovariate(c.hostile_rate)
+            if t >= c.duration:
+                return
+            yield self.env.timeout(t - self.env.now)
+            rows = [Req(self.env.now, HOSTILE_ADAPTER, self.rank_of(HOSTILE_ADAPTER), c.hostile_prompt_tokens,
+                        c.hostile_output_tokens, tenant=HOSTILE_TENANT) for _ in range(c.hostile_n)]
+            self.route(rows[0], rows[1:])
+
+    def route(self, req: Req, siblings: list[Req] = ()) -> None:
+        """Route `req` (and its `siblings`: the other choices of an n > 1 request, on the same replica)."""
         k = self.owners_k.get(req.adapter, self.cfg.owners_k)
         rr = RouteRequest(adapter_id=req.adapter, base_model_hash=BASE_HASH, owners_k=k, tokens=req.est)
         random_routing = self.cfg.routing == "random"
         ranked = choose(rr, self._view_snapshot(), "random" if random_routing else self.cfg.strategy,
                         affinity=not random_routing, rng=self.route_rng if random_routing else None)
         rep = self.replicas[ranked[0].replica_id]
-        self.view.acquire(rep.rid, req.est)
+        for r in (req, *siblings):
+            self.view.acquire(rep.rid, r.est)
+            rep.arrive(r)
+            if r.arrival >= self.cfg.warmup_s:
+                self.arrived[str(r.tenant)] += 1
         self._snaps.pop(rep.rid, None)
-        rep.arrive(req)
 
     def _view_snapshot(self) -> ViewSnapshot:
         """`ReplicaView.snapshot()`, with each replica's `ReplicaEntry.snapshot` reused until that
@@ -702,6 +889,8 @@ class Simulation:
         env.process(self._arrivals(False))
         if c.hot_tokens_per_s > 0:
             env.process(self._arrivals(True))
+        if c.hostile_rate > 0:
+            env.process(self._hostile())
         if self.hpa is not None:
             env.process(self._autoscaler())
         base_ev = {}
@@ -756,6 +945,24 @@ class Simulation:
                    "p95_ttft_s": float(np.percentile(hx, 95)) if len(hx) else math.nan,
                    "max_owners": max(self.series["hot_owners"]) if self.series["hot_owners"] else c.owners_k,
                    "replicas_used": len({r.replica for r in done if r.hot})}
+        tenants = None
+        if c.tenants or c.hostile_rate > 0:
+            groups: dict = defaultdict(list)
+            for r in done:
+                groups[str(r.tenant)].append(r)
+                if r.tenant != HOSTILE_TENANT:
+                    groups["victims"].append(r)
+            arrived = dict(self.arrived)
+            arrived["victims"] = sum(n for t, n in self.arrived.items() if t != HOSTILE_TENANT)
+            tenants = {}
+            for name in sorted(set(groups) | {t for t, n in arrived.items() if n}):
+                rs = groups.get(name, [])
+                x = np.array([r.ttft for r in rs] or [math.nan])
+                tenants[name] = {"rows": len(rs), "p50_ttft_s": float(np.percentile(x, 50)),
+                                 "p95_ttft_s": float(np.percentile(x, 95)), "max_ttft_s": float(x.max()),
+                                 "output_tokens_per_s": sum(r.output for r in rs) / measured_s,
+                                 # arrived in the measured window, not finished 120 s after the last arrival
+                                 "unfinished": max(0, arrived.get(name, 0) - len(rs))}
         return SimResult(
             config={k: v for k, v in asdict(c).items() if k not in ("rate_curve", "trace")},
             requests=len(done),
@@ -782,6 +989,8 @@ class Simulation:
             cost_per_m_tokens=cost_per_h * hours / (all_tokens / 1e6) if all_tokens else math.inf,
             cost_per_m_output_tokens=cost_per_h * hours / (out_tokens / 1e6) if out_tokens else math.inf,
             hot=hot,
+            tenants=tenants,
+            preemptions=sum(r.preemptions for r in self.all_replicas),
             series=dict(self.series),
             wall_s=wall,
         )

@@ -56,7 +56,9 @@ def config_from_args(args: argparse.Namespace):
               load_threshold_tokens=args.load_threshold_tokens, owners_k=args.owners_k,
               system_prompt_share=args.system_prompt_share, system_prompt_tokens=args.system_prompt_tokens,
               prefix_cache=not args.no_prefix_cache, prefix_cache_tokens=args.prefix_cache_tokens,
-              progress=not args.json and not args.quiet)
+              scheduling=args.scheduling, tenants=args.tenants, hostile_rate=args.hostile_rate,
+              hostile_n=args.hostile_n, hostile_prompt_tokens=args.hostile_prompt_tokens,
+              hostile_output_tokens=args.hostile_output_tokens, progress=not args.json and not args.quiet)
     if args.ram_adapters is not None:
         kw["ram_adapters"] = args.ram_adapters
     if args.trace:
@@ -120,6 +122,12 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"  {tier:6s} {100 * r.tier_share[tier]:5.1f}% of requests  p50 {t['p50_s']:.3f} s  p95 {t['p95_s']:.3f} s")
         if r.hot:
             print(f"  hot tenant: {r.hot}")
+        for name, t in (r.tenants or {}).items():
+            print(f"  tenant {name:8s} {t['rows']:6d} rows  TTFT p50 {t['p50_ttft_s']:.3f} s  "
+                  f"p95 {t['p95_ttft_s']:.3f} s  max {t['max_ttft_s']:.3f} s  {t['output_tokens_per_s']:.1f} output tok/s  "
+                  f"unfinished {t['unfinished']}")
+        if r.tenants:
+            print(f"  share preemptions: {r.preemptions} ({r.config['scheduling']} scheduling)")
     return 0
 
 
@@ -170,6 +178,18 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="replicas without a prefix cache")
     p.add_argument("--prefix-cache-tokens", type=int, default=32_000,
                    help="prefix tokens each replica's cache keeps, LRU (default 32000)")
+    p.add_argument("--scheduling", choices=["fair", "fifo"], default="fair",
+                   help="each replica's batch admission: fair by tenant (handler.engine.fairness, the "
+                        "default, as the replica) or fifo")
+    p.add_argument("--tenants", type=int, default=0,
+                   help="adapter i belongs to tenant t{i %% N} (default 0: one anonymous tenant); per-tenant "
+                        "TTFT is reported")
+    p.add_argument("--hostile-rate", type=float, default=0.0,
+                   help="add a hostile tenant sending this many requests/s of --hostile-n rows each")
+    p.add_argument("--hostile-n", type=int, default=16,
+                   help="rows (n choices) per hostile request (default 16)")
+    p.add_argument("--hostile-prompt-tokens", type=int, default=50)
+    p.add_argument("--hostile-output-tokens", type=int, default=600)
     p.add_argument("--diurnal", type=float, default=None, metavar="PERIOD_S",
                    help="rate follows a day compressed into PERIOD_S seconds (25%% .. 100%% of --rate)")
     p.add_argument("--autoscale", action="store_true", help="HPA on queue depth and tokens in flight (deploy/)")

@@ -49,6 +49,11 @@ def _is_int(x) -> bool:
 def parse_embeddings(body) -> EmbeddingsRequest:
     if not isinstance(body, dict):
         raise EmbeddingsRequestError("The request body must be a JSON object.")
+    from lorafarm.openai_schemas import LONE_SURROGATE_CODE, lone_surrogate_message, lone_surrogate_path
+
+    where = lone_surrogate_path(body)  # a tokenizer fails on such text (500): refused like chat's
+    if where is not None:
+        raise EmbeddingsRequestError(lone_surrogate_message(where), where, LONE_SURROGATE_CODE)
     unknown = next((k for k in body if k not in FIELDS), None)
     if unknown is not None:
         name = str(unknown)[:64]

@@ -10,11 +10,14 @@ define (OpenAI answers those with a 400 too). docs/api.md has the table of suppo
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 import uuid
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from lorafarm.limits import MAX_N  # one limit for `n` at the router and the replica
 
@@ -37,6 +40,72 @@ def effective_max_tokens(max_tokens: int | None, max_completion_tokens: int | No
     the smaller; one sent, that one; neither, `default`."""
     sent = [v for v in (max_tokens, max_completion_tokens) if v is not None]
     return min(sent) if sent else default
+
+
+# -- malformed text: lone UTF-16 surrogates -------------------------------------------------------
+# JSON can carry a UTF-16 surrogate escape without its pair ("a\\ud800b"); Python's json module
+# decodes it into a str that is not valid Unicode (it cannot be encoded to UTF-8), and a tokenizer
+# fails on it with a TypeError (a 500, retried on every replica). The router and the replica (and the
+# embedding worker, lorafarm/embeddings.py) refuse such a body with a 400 wherever the string is: any
+# value or object key. A correct pair ("\\ud83d\\ude00") is decoded into one character and passes.
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE_CODE = "invalid_unicode"
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
+def _safe_key(key: str) -> str:
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")[:64] if _has_surrogate(key) else key[:64]
+
+
+def lone_surrogate_path(value: Any) -> str | None:
+    """Where the first string holding a lone UTF-16 surrogate is in a decoded JSON value, as a dotted
+    path (`messages.0.content`, the form pydantic's errors use; "body" for the top level), or None.
+    Iterative: a deeply nested body cannot overflow the stack here."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return ".".join(path) or "body"
+        elif isinstance(v, dict):
+            items = list(v.items())
+            for k, x in reversed(items):
+                if isinstance(k, str) and _has_surrogate(k):
+                    return ".".join((*path, _safe_key(k))) or "body"
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, (*path, str(k)[:64])))
+        elif isinstance(v, list):
+            for i in range(len(v) - 1, -1, -1):
+                x = v[i]
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, (*path, str(i))))
+    return None
+
+
+def lone_surrogate_message(path: str) -> str:
+    return (f"Invalid request: {path}: the text holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+            "without its pair), which is not valid Unicode; send well-formed text (surrogates only in pairs).")
+
+
+# -- test-only fault: a body that kills the replica it reaches -----------------------------------
+# Set only in test farms (tests/reliability/test_poison.py): a replica that parses a request body
+# holding this marker SIGKILLs itself, as a body that crashes the engine would. The router's poison
+# guard (router/poison.py) must lose at most two replicas to it. Unset (production): no effect.
+TEST_KILLER_ENV = "LORAFARM_TEST_KILLER_BODY"
+
+
+def _test_killer(raw: bytes | dict) -> None:
+    marker = os.environ.get(TEST_KILLER_ENV)
+    if not marker or len(marker) < 16:  # a short marker could match a real body by accident
+        return
+    data = raw if isinstance(raw, (bytes, bytearray)) else json.dumps(raw, ensure_ascii=False).encode(
+        "utf-8", "surrogatepass")
+    if marker.encode() in data:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class OpenAIError(Exception):
@@ -336,12 +405,28 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[StrictInt]  # token ids are integers, never true/false or 1.0
     max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        if isinstance(v, list) and v and not all(isinstance(x, str) for x in v):
+            if any(isinstance(x, list) for x in v):
+                raise ValueError("an array of token-id arrays (several prompts) is not supported (send one "
+                                 "request per prompt)")
+            if any(isinstance(x, str) for x in v):
+                raise ValueError("prompt must not mix strings and token ids")
+            bad = next((x for x in v if isinstance(x, bool) or not isinstance(x, int)), None)
+            if bad is not None or any(isinstance(x, bool) for x in v):
+                raise ValueError(f"prompt token ids must be integers, got {json.dumps(bad)[:40]}")
+            if any(x < 0 for x in v):
+                raise ValueError("prompt token ids must be non-negative")
+        return v
 
     @model_validator(mode="after")
     def _check(self):
@@ -370,7 +455,9 @@ class CompletionRequest(_SamplingFields):
 
 
 def parse_request(model: type[_SamplingFields], raw: bytes | dict) -> Any:
-    """Validate a raw body; any problem becomes a 400 OpenAI error naming the offending field."""
+    """Validate a raw body; any problem becomes a 400 OpenAI error naming the offending field (a lone
+    UTF-16 surrogate anywhere: 400 `invalid_unicode`)."""
+    _test_killer(raw)
     if isinstance(raw, (bytes, bytearray)):
         try:
             data = json.loads(raw)
@@ -382,6 +469,9 @@ def parse_request(model: type[_SamplingFields], raw: bytes | dict) -> Any:
         data = raw
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
+    where = lone_surrogate_path(data)
+    if where is not None:
+        raise OpenAIError(400, lone_surrogate_message(where), param=where, code=LONE_SURROGATE_CODE)
     _unsupported(data, CHAT_UNSUPPORTED if model is ChatCompletionRequest else COMPLETION_UNSUPPORTED)
     try:
         return model.model_validate(data)

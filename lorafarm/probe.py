@@ -122,12 +122,19 @@ class Outcome:
     detail: str = ""
 
 
+def probe_body(cfg: ProbeConfig, model: str, prompt: str) -> dict:
+    """The probe's request: a fixed prompt, so the same few bodies recur (one replica crash with one in
+    flight is not poison; the router refuses a body only when distinct replicas died with it and it
+    never completed since, router/poison.py, and the probe's bodies complete all the time)."""
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": cfg.max_tokens,
+            "temperature": 0}
+
+
 async def probe_once(client, cfg: ProbeConfig, model: str, prompt: str) -> Outcome:
     """One chat completion through the router, judged against the model's marker."""
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": cfg.max_tokens,
-            "temperature": 0}
+    body = probe_body(cfg, model, prompt)
     t0 = time.monotonic()
     try:
         r = await client.post("/v1/chat/completions", json=body, timeout=cfg.timeout)

@@ -148,18 +148,33 @@ def _limit(value: str) -> float | None:
     return v
 
 
+def _weight(value: str) -> float | None:
+    if value.strip().lower() in ("none", "default"):
+        return None
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number (or 'none': the default, 1)") from None
+    if not 0 < v <= 1024:
+        raise argparse.ArgumentTypeError(f"{value!r}: a weight must be > 0 and <= 1024")
+    return v
+
+
 def _tenants_set_limits(args) -> int:
-    limits = {k: v for k, v in (("requests_per_s", args.requests_per_s), ("tokens_per_s", args.tokens_per_s))
-              if v is not _UNSET}
+    limits = {k: v for k, v in (("requests_per_s", args.requests_per_s), ("tokens_per_s", args.tokens_per_s),
+                                ("weight", args.weight)) if v is not _UNSET}
     if not limits:
-        raise CliError("give --requests-per-s and/or --tokens-per-s (a number, or 'none' for unlimited)")
+        raise CliError("give --requests-per-s, --tokens-per-s (a number, or 'none' for unlimited) and/or --weight "
+                       "(a number, or 'none' for 1)")
     out = _call(args, lambda reg: reg.set_tenant_limits(args.name, **limits))
 
     def show(v):
         return "unlimited" if v is None else f"{v:g}"
 
+    weight = out.get("weight")
     print(f"tenant {out['tenant_id']}: requests_per_s {show(out['requests_per_s'])}, "
-          f"tokens_per_s {show(out['tokens_per_s'])} (routers apply it within their key cache TTL)")
+          f"tokens_per_s {show(out['tokens_per_s'])}, weight {1 if weight is None else f'{weight:g}'} "
+          f"(routers apply it within their key cache TTL)")
     return 0
 
 
@@ -185,7 +200,7 @@ def _keys_rotate(args) -> int:
 
 def _keys_revoke(args) -> int:
     _call(args, lambda reg: reg.revoke_key(args.tenant, args.key_id))
-    print(f"revoked {args.key_id} of {args.tenant} (routers refuse it within their key cache TTL)")
+    print(f"revoked {args.key_id} of {args.tenant} (every router polling the registry refuses it now)")
     return 0
 
 
@@ -364,10 +379,13 @@ def register(sub) -> None:
     p = tenants.add_parser("list", help="list tenants (JSON)")
     _connection_flags(p)
     p.set_defaults(func=_tenants_list)
-    p = tenants.add_parser("set-limits", help="change a tenant's rate limits ('none': unlimited)")
+    p = tenants.add_parser("set-limits", help="change a tenant's rate limits ('none': unlimited) or weight")
     p.add_argument("name", help="tenant id")
     p.add_argument("--requests-per-s", type=_limit, default=_UNSET, metavar="R")
     p.add_argument("--tokens-per-s", type=_limit, default=_UNSET, metavar="T")
+    p.add_argument("--weight", type=_weight, default=_UNSET, metavar="W",
+                   help="fair-scheduling weight: the tenant's share of a replica's batch relative to other tenants' "
+                        "(default 1; 'none': back to 1)")
     _connection_flags(p)
     p.set_defaults(func=_tenants_set_limits)
 

@@ -47,13 +47,17 @@ class TenantCreate(_In):
     name: str = Field(pattern=TENANT_ID_PATTERN, description="the tenant id (a slug)")
     requests_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
     tokens_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
+    weight: float | None = Field(default=None, gt=0, le=1024, description="fair-scheduling weight: the tenant's "
+                                 "share of a replica's batch relative to other tenants'; null: 1 (equal shares)")
 
 
 class TenantLimits(_In):
-    """PATCH body: the fields sent are changed (null: unlimited); the fields left out are kept."""
+    """PATCH body: the fields sent are changed (null: unlimited, or weight 1); the fields left out are kept."""
 
     requests_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
     tokens_per_s: float | None = Field(default=None, ge=0, description="rate limit; null: unlimited")
+    weight: float | None = Field(default=None, gt=0, le=1024, description="fair-scheduling weight: the tenant's "
+                                 "share of a replica's batch relative to other tenants'; null: 1 (equal shares)")
 
 
 class TenantCreated(BaseModel):
@@ -66,6 +70,7 @@ class TenantOut(BaseModel):
     tenant_id: str
     requests_per_s: float | None
     tokens_per_s: float | None
+    weight: float | None = None  # fair-scheduling weight; null: 1
     created_at: datetime
 
 
@@ -94,6 +99,7 @@ class VerifyResult(BaseModel):
     key_id: str
     requests_per_s: float | None
     tokens_per_s: float | None
+    weight: float | None = None  # fair-scheduling weight (routers send it to replicas); null: 1
 
 
 # -- adapters ----------------------------------------------------------------------------------

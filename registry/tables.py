@@ -34,6 +34,7 @@ class Tenant(SQLModel, table=True):
     tenant_id: str = Field(sa_column=Column(String(63), primary_key=True))
     requests_per_s: float | None = Field(default=None, sa_column=Column(Float, nullable=True))
     tokens_per_s: float | None = Field(default=None, sa_column=Column(Float, nullable=True))
+    weight: float | None = Field(default=None, sa_column=Column(Float, nullable=True))  # fair share; null: 1
     created_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
 
 

@@ -147,11 +147,13 @@ class RouterCore:
         except Exception as e:
             self.metrics.registry_errors.labels("routing").inc()
             self.metrics.registry_reachable.set(0)
+            self.auth.registry_failed()
             if not self._registry_down_logged:
                 log.warning("routing table unavailable from the registry (%s); keeping the last one", e)
                 self._registry_down_logged = True
             return False
         self.metrics.registry_reachable.set(1)
+        self.auth.registry_answered()  # verified keys serve through an outage counted from here (router/auth.py)
         if self._registry_down_logged:
             log.info("registry reachable again")
             self._registry_down_logged = False
@@ -454,8 +456,8 @@ class RouterCore:
         if self.proxy.guard.refused_for(fp):
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
             self.metrics.poison_requests.labels("refused").inc()
-            log.warning("poison request refused: request_id=%s tenant=%s fingerprint=%s (in flight at %d replica "
-                        "deaths)", request_id, tenant.tenant_id, fp, self.proxy.guard.deaths(fp))
+            log.warning("poison request refused: request_id=%s tenant=%s fingerprint=%s (in flight when %s died, "
+                        "never completed since)", request_id, tenant.tenant_id, fp, self.proxy.guard.describe(fp))
             refusal = self.proxy.poison_failed(request_id, tenant.tenant_id, fp, [], 0)
             raise ApiError(400, json.loads(refusal.body)["error"]["message"], code="poison_request",
                            headers={**base_headers, "retry-after": refusal.headers["retry-after"]})
@@ -488,6 +490,7 @@ class RouterCore:
                     model_name=parsed.model,
                     fingerprint=fp,
                     deadline=deadline,
+                    tenant_weight=tenant.weight,
                 ),
             )
         except BaseException:
@@ -561,6 +564,8 @@ class RouterCore:
             elif outcome == "deadline":
                 self.metrics.deadline_exceeded.inc()
             label = str(status) if ok else outcome
+            if ok and status < 400:  # relayed whole: evidence that this body does not kill replicas
+                self.proxy.completed(opened.fingerprint)
             self.metrics.requests.labels(endpoint, label, route_class).inc()
             if status < 400 and ok:
                 self.metrics.e2e.labels(tier, route_class).observe(e2e)

@@ -43,6 +43,8 @@ def _router(args: argparse.Namespace) -> int:
             death_retries=args.death_retries,
             poison_threshold=args.poison_threshold,
             poison_cooloff=args.poison_cooloff,
+            auth_ttl=args.auth_ttl,
+            auth_stale_grace=args.auth_stale_grace,
             state_timeout=args.state_timeout,
             health_timeout=args.state_timeout,
             **({"redis_url": args.redis_url} if args.redis_url else {}),
@@ -111,10 +113,15 @@ def register(sub) -> None:
     p.add_argument("--death-retries", type=int, default=1,
                    help="replicas a request is sent to after a replica died with it in flight (default 1)")  # fmt: skip
     p.add_argument("--poison-threshold", type=int, default=2,
-                   help="replica deaths with the same body (tenant + request) in flight before it is refused "
-                        "as poison_request (default 2)")  # fmt: skip
+                   help="distinct replicas that died with the same body (tenant + request) in flight, the body "
+                        "never completing since, before it is refused as poison_request (default 2)")  # fmt: skip
     p.add_argument("--poison-cooloff", type=float, default=600.0,
                    help="seconds a poison body stays refused after its last replica death (default 600)")  # fmt: skip
+    p.add_argument("--auth-ttl", type=float, default=30.0,
+                   help="seconds an API key check is cached while the registry is reachable (default 30)")  # fmt: skip
+    p.add_argument("--auth-stale-grace", type=float, default=300.0,
+                   help="registry outage: keys this router verified keep serving while it heard from the "
+                        "registry within this many seconds; unverified keys get 503 (default 300)")  # fmt: skip
     p.add_argument("--state-timeout", type=float, default=1.5,
                    help="seconds a replica's state and health checks may take (default 1.5)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=30.0,

@@ -65,7 +65,9 @@ class RouterSettings:
     # auth cache
     auth_ttl: float = 30.0
     auth_negative_ttl: float = 5.0
-    auth_stale_grace: float = 30.0  # serve a cached tenant this long past auth_ttl if the registry is down
+    # registry outage: keys this router verified keep serving while it heard from the registry within
+    # this many seconds (new keys: 503 auth_unavailable at once; router/auth.py, docs/operations.md)
+    auth_stale_grace: float = 300.0
 
     # rate limits (per tenant; the registry's values win, these apply where it has none)
     default_requests_per_s: float | None = None  # None = unlimited

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from lorafarm.limits import MAX_N  # one limit for `n` at the router and the replica, refused here before any charge
 # one max_tokens rule at the router and the replica: the router charges what the replica generates
 from lorafarm.openai_schemas import COMPLETIONS_MAX_TOKENS, DEFAULT_MAX_TOKENS, effective_max_tokens
+# one rule for malformed text at the router and the replica: a lone UTF-16 surrogate anywhere is a 400
+from lorafarm.openai_schemas import LONE_SURROGATE_CODE, lone_surrogate_message, lone_surrogate_path
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -126,6 +128,7 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int = DEFAULT_M
         raise ApiError(400, "The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    check_text(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
@@ -136,6 +139,7 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int = DEFAULT_M
     else:
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError(400, "you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
+        check_prompt(body["prompt"])
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -167,6 +171,44 @@ def parse_request(endpoint: str, raw: bytes, default_max_tokens: int = DEFAULT_M
         max_tokens=max_tokens,
         n=n,
     )
+
+
+def check_text(body: dict) -> None:
+    """400 for a lone UTF-16 surrogate in any string of the body (a value or a key): not valid
+    Unicode, and a replica's tokenizer fails on it (lorafarm/openai_schemas.py)."""
+    where = lone_surrogate_path(body)
+    if where is not None:
+        raise ApiError(400, lone_surrogate_message(where), param=where, code=LONE_SURROGATE_CODE)
+
+
+def _token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+_PROMPT_SHAPES = ("'prompt' must be a string, an array of strings, an array of token ids (non-negative "
+                  "integers) or an array of arrays of token ids")
+
+
+def check_prompt(prompt) -> None:
+    """`/v1/completions` `prompt` as OpenAI accepts it: a string, an array of strings, an array of
+    token ids or an array of arrays of token ids. Token ids are non-negative integers: never true/false
+    (which JSON decoders read as 1/0) nor 1.0. Anything else is a 400 before any replica is tried."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list):
+        raise ApiError(400, _PROMPT_SHAPES, param="prompt")
+    if not prompt:
+        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return
+    if all(_token_id(p) for p in prompt):
+        return
+    if all(isinstance(p, list) and p and all(_token_id(t) for t in p) for p in prompt):
+        return
+    bad = next((t for p in prompt for t in (p if isinstance(p, list) else [p]) if not isinstance(t, str)
+                and not _token_id(t)), None)
+    detail = f" (got {json.dumps(bad)[:40]})" if bad is not None else ""
+    raise ApiError(400, _PROMPT_SHAPES + detail, param="prompt")
 
 
 def check_logit_bias(bias) -> None:

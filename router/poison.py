@@ -2,13 +2,22 @@
 
 A request that was in flight on a replica that *died* (the connection broke mid-request, not a clean
 HTTP error, and the replica's `/health` no longer answers) is suspect: the router sends it to at most
-`death_retries` more replicas (default 1), and a body seen in flight at `threshold` deaths (default
-2) is refused for `cooloff` seconds with a 400 `poison_request`, before it reaches any replica.
-Deaths are replica deaths, not requests: when one replica dies with several copies of a body in
-flight (a popular prompt, a tenant's probe), that is one death of that body, not several (counting
-copies refused a tenant's identical requests for the whole cooloff after one unrelated crash). The
-body is known by a fingerprint: sha256 of the tenant, the endpoint and the canonical JSON body
-(without `stream`/`stream_options`, so the streamed and plain forms are one body).
+`death_retries` more replicas (default 1). A body is refused as poison only on evidence that it
+kills replicas, never because it was popular when one died:
+
+- it was in flight when `threshold` (default 2) **distinct** replicas died: deaths of one replica
+  count once however often it dies (a crash loop or an OOM-killed replica that restarts and dies
+  again never makes the bodies it held poison), and one death with several copies of a body in
+  flight is one death;
+- and it has **not completed** (a 2xx answer relayed whole) on any replica since the first of those
+  deaths: a body that completes anywhere is cleared, its deaths forgotten. A popular body that was
+  in flight at an ordinary crash is retried and completes elsewhere, so it is never refused.
+
+Such a body is refused for `cooloff` seconds after its last death with a 400 `poison_request`
+before it reaches any replica; the message says what was seen ("was in flight when replicas r0 and
+r1 died, and has not completed on any replica since"). The body is known by a fingerprint: sha256
+of the tenant, the endpoint and the canonical JSON body (without `stream`/`stream_options`, so the
+streamed and plain forms are one body).
 
 Failover for a replica that was already down (connection refused, nothing sent) is not a death.
 """
@@ -19,6 +28,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 _IGNORED_KEYS = ("stream", "stream_options")
 
@@ -35,11 +45,20 @@ def fingerprint(tenant_id: str, endpoint: str, body: dict) -> str:
     return h.hexdigest()[:32]
 
 
+@dataclass
+class _Suspect:
+    """What was seen of one body: the replicas that died with it in flight (replica -> the deaths of
+    it, each named once), since its first death, and when it stops being remembered."""
+
+    replicas: dict[str, set] = field(default_factory=dict)
+    expires: float = 0.0
+
+
 class PoisonGuard:
-    """Counts distinct replica deaths per fingerprint inside a window of `cooloff` seconds; at
-    `threshold` deaths the fingerprint is refused until `cooloff` seconds after the last death.
-    Bounded: at most `max_entries` fingerprints are remembered (expired ones first, then the oldest,
-    are dropped)."""
+    """Per fingerprint: the distinct replicas that died with it in flight, until it completes
+    somewhere or `cooloff` seconds pass after its last death. At `threshold` distinct replicas the
+    fingerprint is refused. Bounded: at most `max_entries` fingerprints are remembered (expired ones
+    first, then the oldest, are dropped)."""
 
     def __init__(self, threshold: int = 2, cooloff: float = 600.0, max_entries: int = 100_000,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
@@ -49,47 +68,73 @@ class PoisonGuard:
         self.cooloff = cooloff
         self.max_entries = max_entries
         self.clock = clock
-        self._deaths: dict[str, tuple[frozenset, float]] = {}  # fingerprint -> (deaths, expires at)
+        self._suspects: dict[str, _Suspect] = {}
+
+    def _get(self, fp: str) -> _Suspect | None:
+        s = self._suspects.get(fp)
+        if s is not None and s.expires <= self.clock():
+            del self._suspects[fp]
+            return None
+        return s
 
     def deaths(self, fp: str) -> int:
-        entry = self._deaths.get(fp)
-        if entry is None:
-            return 0
-        if entry[1] <= self.clock():
-            del self._deaths[fp]
-            return 0
-        return len(entry[0])
+        """The distinct replicas that died with this body in flight (since its first death, while it
+        has not completed anywhere)."""
+        s = self._get(fp)
+        return len(s.replicas) if s else 0
+
+    def replicas(self, fp: str) -> dict[str, int]:
+        """Replica id -> how many of its deaths this body was in flight at."""
+        s = self._get(fp)
+        return {r: len(d) for r, d in s.replicas.items()} if s else {}
 
     def refused_for(self, fp: str) -> float:
         """Seconds of cooling-off left for this fingerprint (0.0: not refused)."""
-        entry = self._deaths.get(fp)
-        if entry is None or len(entry[0]) < self.threshold:
+        s = self._get(fp)
+        if s is None or len(s.replicas) < self.threshold:
             return 0.0
-        left = entry[1] - self.clock()
-        if left <= 0:
-            del self._deaths[fp]
-            return 0.0
-        return left
+        return s.expires - self.clock()
 
-    def record_death(self, fp: str, death: Hashable | None = None) -> int:
-        """A replica died with this body in flight; `death` names that death (every request in flight
-        on it passes the same one: it counts once; None: a death of its own). Returns the deaths now
-        counted for this body."""
-        seen = self._deaths[fp][0] if self.deaths(fp) else frozenset()
-        seen = seen | {death if death is not None else object()}
-        self._deaths.pop(fp, None)  # re-insert: the dict stays ordered by last death
-        self._deaths[fp] = (seen, self.clock() + self.cooloff)
-        n = len(seen)
-        if len(self._deaths) > self.max_entries:
+    def record_death(self, fp: str, replica_id: str, death: Hashable | None = None) -> int:
+        """Replica `replica_id` died with this body in flight; `death` names that death (every
+        request in flight on it passes the same one: it counts once; None: a death of its own).
+        Returns the distinct replicas now counted for this body."""
+        s = self._get(fp)
+        if s is None:
+            s = _Suspect()
+        self._suspects.pop(fp, None)  # re-insert: the dict stays ordered by last death
+        s.replicas.setdefault(replica_id, set()).add(death if death is not None else object())
+        s.expires = self.clock() + self.cooloff
+        self._suspects[fp] = s
+        if len(self._suspects) > self.max_entries:
             self._prune()
-        return n
+        return len(s.replicas)
+
+    def completed(self, fp: str | None) -> bool:
+        """A request with this body completed (2xx, relayed whole): it does not kill replicas, its
+        deaths are forgotten (a refusal too). True when there was something to forget."""
+        return fp is not None and self._suspects.pop(fp, None) is not None
+
+    def describe(self, fp: str) -> str:
+        """What was seen, for the refusal: "replicas r0 and r1" or "replica r0 (twice)"."""
+        seen = self.replicas(fp)
+        parts = [r + (f" ({_times(n)})" if n > 1 else "") for r, n in seen.items()]
+        if not parts:
+            return "replicas"
+        if len(parts) == 1:
+            return f"replica {parts[0]}"
+        return "replicas " + ", ".join(parts[:-1]) + " and " + parts[-1]
 
     def _prune(self) -> None:
         now = self.clock()
-        for fp in [f for f, (_, exp) in self._deaths.items() if exp <= now]:
-            del self._deaths[fp]
-        while len(self._deaths) > self.max_entries:
-            del self._deaths[next(iter(self._deaths))]
+        for fp in [f for f, s in self._suspects.items() if s.expires <= now]:
+            del self._suspects[fp]
+        while len(self._suspects) > self.max_entries:
+            del self._suspects[next(iter(self._suspects))]
 
     def __len__(self) -> int:
-        return len(self._deaths)
+        return len(self._suspects)
+
+
+def _times(n: int) -> str:
+    return {2: "twice", 3: "three times"}.get(n, f"{n} times")

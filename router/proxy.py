@@ -11,7 +11,8 @@ failure there is still "before the first byte".
 
 A replica that *dies* with the request in flight (the connection breaks after the request was sent
 and the replica's /health no longer answers) is not an ordinary failover: the request goes to at
-most `death_retries` more replicas, and a body seen at two deaths is refused (router/poison.py).
+most `death_retries` more replicas, and a body in flight when two distinct replicas died, that has
+not completed anywhere since, is refused (router/poison.py).
 A replica that was already down (connection refused: nothing was sent) fails over as before.
 
 Liveness, not a stopwatch: a stream's `read_timeout` is the longest *silence* between two chunks
@@ -112,7 +113,8 @@ class ClosedSafeBackend(httpcore.AsyncNetworkBackend):
 UPSTREAM_KEEPALIVE_S = 2.0
 
 # Every request in flight on a replica that dies notices it within a health probe of the others:
-# deaths of one replica noticed within this many seconds of the first are one death (router/poison.py).
+# deaths of one replica noticed within this many seconds of the first are one death (the refusal's
+# message counts them; poison itself counts distinct replicas: router/poison.py).
 DEATH_EVENT_S = 5.0
 
 
@@ -316,7 +318,7 @@ class Proxy:
         self.on_failure(replica_id, "died")
         self.on_death(replica_id, phase)
         death = self._death_event(replica_id)
-        return self.guard.record_death(fp, death) if fp else 0
+        return self.guard.record_death(fp, replica_id, death) if fp else 0
 
     def _death_event(self, replica_id: str) -> tuple[str, int]:
         """Names one death of a replica, the same for every request that was in flight on it: the
@@ -329,11 +331,16 @@ class Proxy:
             self._death_events[replica_id] = (n, began)
         return replica_id, n
 
+    def completed(self, fp: str | None) -> None:
+        """A request relayed whole with a 2xx: its body does not kill replicas (router/poison.py)."""
+        if fp and self.guard.completed(fp):
+            log.info("fingerprint %s completed: its replica deaths are forgotten (not poison)", fp)
+
     def poison_failed(self, request_id: str, tenant_id: str, fp: str, tried: list[str], deaths: int) -> Failed:
         left = max(1, int(self.guard.refused_for(fp) + 0.999))
-        msg = (f"This request was in flight on {self.guard.threshold} replicas that died while serving it; "
-               f"the same request is refused for {left} s. Change the request (or contact the operator "
-               f"with request id {request_id}).")
+        msg = (f"This request was in flight when {self.guard.describe(fp)} died, and has not completed on any "
+               f"replica since; the same request is refused for {left} s. Change the request (or contact the "
+               f"operator with request id {request_id}).")
         body = json.dumps(error_body(msg, "invalid_request_error", "poison_request")).encode()
         return Failed(400, body, {"content-type": "application/json", "retry-after": str(left)}, len(tried), tried,
                       code="poison_request", deaths=deaths)
@@ -350,8 +357,11 @@ class Proxy:
         model_name: str | None = None,
         fingerprint: str | None = None,
         deadline: float | None = None,
+        tenant_weight: float | None = None,
     ) -> Opened | Failed:
         headers = self._headers(request_id, tenant_id)
+        if tenant_weight is not None:  # the tenant's fair-scheduling weight (the replica's engine)
+            headers[TENANT_WEIGHT_HEADER] = f"{tenant_weight:g}"
         if model_name:  # the name the client asked for: the replica echoes it as `model` (vLLM does)
             headers[MODEL_NAME_HEADER] = model_name
         loop = asyncio.get_running_loop()
@@ -422,7 +432,7 @@ class Proxy:
                     seen = self._record_death(rid, "before_first_byte", fingerprint)
                     log.warning(
                         "request %s tenant %s: replica %s died with it in flight (%s: %s); this body was in "
-                        "flight at %d replica deaths", request_id, tenant_id, rid, reason, e, seen,
+                        "flight when %d distinct replicas died", request_id, tenant_id, rid, reason, e, seen,
                     )  # fmt: skip
                     if fingerprint and self.guard.refused_for(fingerprint):
                         return self.poison_failed(request_id, tenant_id, fingerprint, tried, deaths)
@@ -499,8 +509,8 @@ class Proxy:
         async def check() -> None:
             if await self._died(opened.ranked, e):
                 seen = self._record_death(opened.ranked.replica_id, "mid_stream", opened.fingerprint)
-                log.warning("request %s tenant %s: replica %s died mid-stream; this body was in flight at %d "
-                            "replica deaths", opened.request_id, opened.tenant_id, opened.ranked.replica_id, seen)
+                log.warning("request %s tenant %s: replica %s died mid-stream; this body was in flight when %d "
+                            "distinct replicas died", opened.request_id, opened.tenant_id, opened.ranked.replica_id, seen)
 
         task = asyncio.get_running_loop().create_task(check())
         self._death_checks.add(task)
@@ -590,6 +600,7 @@ async def _empty() -> AsyncIterator[bytes]:
 
 
 MODEL_NAME_HEADER = "x-lorafarm-model-name"
+TENANT_WEIGHT_HEADER = "x-lorafarm-tenant-weight"
 
 
 def _keep(headers: httpx.Headers) -> dict[str, str]:

@@ -215,7 +215,8 @@ class ForeignWorkers:
         """What a request to `replica_id` carries: the worker's own key instead of the admin token and
         no lorafarm-internal headers."""
         e = self.workers[replica_id]
-        h = {k: v for k, v in base.items() if k.lower() not in ("authorization", "x-lorafarm-tenant")}
+        h = {k: v for k, v in base.items()
+             if k.lower() not in ("authorization", "x-lorafarm-tenant", "x-lorafarm-tenant-weight")}
         h.update(e.headers())
         return h
 

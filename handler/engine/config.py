@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     import torch
 
+from handler.engine.fairness import W_DECODE, W_PREFILL
 from handler.engine.speculate import SPECULATE_MAX_ROWS, SPECULATE_TOKENS
 
 DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
@@ -71,6 +72,14 @@ class EngineConfig:
         "answer is the same token for token; a few rows cost about one on CPU; 0: off; default "
         f"{SPECULATE_TOKENS}; handler/engine/speculate.py)", metavar="N"))
     speculate_max_rows: int = SPECULATE_MAX_ROWS
+    scheduling: str = field(default="fair", metadata=_flag(
+        "--scheduling", "which waiting request takes a batch row: fair (by tenant: the least served tenant's "
+        "first, each tenant guaranteed its weighted share of --max-batch rows, rows beyond a share preempted "
+        "when another tenant waits; one tenant alone is served first come, first served; "
+        "handler/engine/fairness.py) or fifo (first come, first served over all tenants; for comparison)",
+        choices=["fair", "fifo"]))
+    fair_prefill_weight: float = W_PREFILL  # a prompt token in the fairness counters
+    fair_decode_weight: float = W_DECODE  # a generated token in the fairness counters
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", "paged", "gather"):
@@ -84,6 +93,10 @@ class EngineConfig:
         if self.batch_invariant and (self.compile or self.attention == "paged"):
             raise ValueError("batch_invariant excludes compile and attention 'paged' (padded buckets, a kernel "
                              "whose split depends on the batch)")
+        if self.scheduling not in ("fair", "fifo"):
+            raise ValueError(f"scheduling must be 'fair' or 'fifo', not {self.scheduling!r}")
+        if self.fair_prefill_weight < 0 or self.fair_decode_weight < 0:
+            raise ValueError("fair_prefill_weight and fair_decode_weight must be >= 0")
         if self.dtype is not None and not isinstance(self.dtype, str):  # a torch.dtype: kept by name
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if self.dtype is not None and self.dtype not in DTYPES:

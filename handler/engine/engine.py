@@ -15,7 +15,9 @@ cache, LoRA slot stacks or a merged adapter) and the engine's own, then forwards
 - `output.OutputProcessor`: tokens to events (detokenisation, stops, finishing requests).
 
 One `step()`: the scheduler plans (decode rows grow their KV blocks, preempting by recompute when
-the pool is empty; waiting requests are admitted first come first served by what fits; prompt
+the pool is empty; waiting requests are admitted by what fits, the least served tenant's first, a
+tenant below its share of rows taking one from a tenant over its share (`fairness`; one tenant
+alone: first come first served; `scheduling="fifo"`: first come first served over all); prompt
 chunks within `max_prefill_tokens`), the executor runs one forward pass over prefill chunks and one
 decode token per running request (plus n-gram drafts of greedy requests on small C decode steps:
 a request can take more than one token from a step, always the tokens plain decoding gives) and
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -63,6 +66,7 @@ from handler.engine.errors import (
     UnknownAdapterError,
 )
 from handler.engine.executor import C_PREFILL_TOKENS, StepExecutor
+from handler.engine.fairness import TenantReport
 from handler.engine.output import OutputProcessor
 from handler.engine.request import EngineStats, Request, TokenEvent, checked_prompt, row_state
 from handler.engine.sampling import SamplingParams
@@ -92,6 +96,7 @@ __all__ = [
     "DEFAULT_RANK_POOLS",
     "EngineConfig",
     "C_PREFILL_TOKENS",
+    "TenantReport",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,7 +134,8 @@ class Engine:
         self.slots = SlotTable(self.lora, self.merged_adapter_id, self.device, self._lock, self._cond)
         self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_prefill_tokens=self.max_prefill_tokens,
                                    kv_reserve=cfg.kv_reserve, batch_invariant=self.batch_invariant,
-                                   cache_key=self.cache_key)
+                                   cache_key=self.cache_key, scheduling=cfg.scheduling,
+                                   w_prefill=cfg.fair_prefill_weight, w_decode=cfg.fair_decode_weight)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.slots,
                                       self._lock, self._cond)
         self._thread: threading.Thread | None = None
@@ -182,22 +188,34 @@ class Engine:
     # ------------------------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter_id: str | None,
-                    on_event: Callable[[TokenEvent], None] | None, cache_salt: str | None = None) -> None:
-        """Queue a request; it joins the batch at the next step where its cache fits.
+                    on_event: Callable[[TokenEvent], None] | None, cache_salt: str | None = None,
+                    tenant: str | None = None, weight: float = 1.0) -> None:
+        """Queue a request; it joins the batch at the next step where its cache fits (and, with fair
+        scheduling, where its tenant's turn comes: `handler.engine.fairness`).
 
         cache_salt: the prefix cache's partition (the tenant): a request only reuses blocks computed
         for the same salt, adapter and base.
+        tenant: whose request it is for fair scheduling (default: `cache_salt`; None: one anonymous
+        tenant). weight: the tenant's weight (its share of rows and of service grows with it;
+        positive; the latest request's weight is the tenant's).
 
         Raises RequestTooLongError (prompt + max_tokens > max_context), InvalidRequestError (bad
         params or ids, duplicate live request id) or UnknownAdapterError (adapter not mounted).
         """
         prompt = checked_prompt(prompt_ids, params, self.config.vocab_size, self.max_context)
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"weight must be a number, not {weight!r}") from None
+        if not (math.isfinite(weight) and weight > 0):
+            raise InvalidRequestError(f"weight must be a positive finite number, not {weight!r}")
         state = row_state(params, prompt, self.device, self.config.vocab_size, self.tokenizer)
         with self._lock:
             if request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
             slot = self.slots.acquire(adapter_id)
-            self.scheduler.add(Request(request_id, prompt, params, adapter_id, slot, on_event, state, cache_salt))
+            self.scheduler.add(Request(request_id, prompt, params, adapter_id, slot, on_event, state, cache_salt,
+                                       tenant=cache_salt if tenant is None else tenant, weight=weight))
             self._cond.notify_all()
 
     def cancel(self, request_id: str) -> bool:
@@ -229,8 +247,17 @@ class Engine:
                 prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
                 prefix_cache_blocks=pool.cached, prefix_cache_evictions=pool.evictions,
                 prefix_cache_deferred=s.deferred, speculative_drafted=ex.drafted,
-                speculative_accepted=ex.draft_accepted,
+                speculative_accepted=ex.draft_accepted, scheduling=s.scheduling,
+                preemptions_kv=s.policy.preemptions.get("kv", 0),
+                preemptions_share=s.policy.preemptions.get("share", 0), tenants_active=len(s.policy.clients),
             )
+
+    def tenant_stats(self) -> TenantReport:
+        """Per tenant: what it was served (the most recently served tenants by name, the rest summed),
+        and the fairness state of the active ones (counters, rows held, shares); for metrics."""
+        with self._lock:
+            named, other = self.scheduler.policy.ledger.snapshot()
+            return TenantReport(named, other, self.scheduler.policy.active(), self.scheduler.scheduling)
 
     def has_work(self) -> bool:
         with self._lock:

@@ -47,7 +47,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     kv_cache_capacity_tokens: int = 0
-    preemptions: int = 0  # requests preempted (by recompute) because the KV cache ran out
+    preemptions: int = 0  # requests preempted (by recompute): preemptions_kv + preemptions_share
     attention: str = "gather"  # decode attention in use: "paged" (in place) or "gather"
     decode_step_c: int = 0  # decode steps run by the C decode step (`handler.model.decode_step`)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
@@ -57,17 +57,22 @@ class EngineStats:
     prefix_cache_deferred: int = 0  # admissions put off until a prefix block another request computes is cached
     speculative_drafted: int = 0  # draft tokens checked (handler.engine.speculate)
     speculative_accepted: int = 0  # of those, tokens taken
+    scheduling: str = "fair"  # the admission policy: "fair" (handler.engine.fairness) or "fifo"
+    preemptions_kv: int = 0  # preempted because the KV cache ran out
+    preemptions_share: int = 0  # preempted because another tenant waited below its share of rows
+    tenants_active: int = 0  # tenants with requests waiting or admitted
 
 
 class Request:
     __slots__ = (
         "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled", "ctx",
         "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop", "salt", "root", "hashes",
-        "published", "cached", "admitted", "ngrams",
+        "published", "cached", "admitted", "ngrams", "tenant", "weight", "charged_prompt", "charged_out",
     )
 
     def __init__(self, rid: str, prompt: list[int], params: SamplingParams, adapter_id: str | None, slot: int,
-                 on_event: Callable[[TokenEvent], None] | None, gen: RowState, salt: str | None = None):
+                 on_event: Callable[[TokenEvent], None] | None, gen: RowState, salt: str | None = None,
+                 tenant: str | None = None, weight: float = 1.0):
         self.id, self.prompt, self.params = rid, prompt, params
         self.adapter_id, self.slot, self.on_event, self.gen = adapter_id, slot, on_event, gen
         self.out: list[int] = []
@@ -88,6 +93,10 @@ class Request:
         self.cached = 0  # prompt tokens taken from the prefix cache at first admission
         self.admitted = False
         self.ngrams: NgramIndex | None = None  # speculative drafts' lookup, made at its first drafted step
+        self.tenant = tenant  # the fairness policy's client (handler.engine.fairness); None: anonymous
+        self.weight = weight  # its tenant's weight
+        self.charged_prompt = 0  # prompt positions charged to the tenant (a high-water mark: no recompute)
+        self.charged_out = 0  # generated tokens charged to the tenant
 
     def remaining(self) -> int:
         return (len(self.ctx) - self.prefilled) + (self.params.max_tokens - len(self.out))

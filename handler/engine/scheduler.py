@@ -2,22 +2,35 @@
 
 Owns the live requests and their queues (waiting -> prefilling -> running), admission, KV block
 growth and preemption, and the plan of one step (`StepPlan`: prefill chunks and decode rows). The
-policy, step by step (`Engine` module docstring for the whole story):
+choices between tenants are the fairness policy's (`handler.engine.fairness.FairPolicy`, the
+contract: the Virtual Token Counter and a share of rows per tenant); `scheduling="fifo"` keeps the
+first come, first served order for comparison (the policy then only counts). Step by step
+(`Engine` module docstring for the whole story):
 
-- Admission, first come first served, by what fits now: the head of the waiting queue joins the
-  batch when the batch has a free row and the KV cache has the blocks of its prompt (not prompt +
-  max_tokens; `kv_reserve="max_tokens"` reserves both, for comparison); the first request that does
-  not fit stops admission, nothing behind it overtakes it (`_next_to_admit`).
+- Admission, by what fits now: a waiting request joins the batch when the batch has a free row and
+  the KV cache has the blocks of its prompt (not prompt + max_tokens; `kv_reserve="max_tokens"`
+  reserves both, for comparison). Which request (`_next_to_admit`): fair, the head (FIFO within a
+  tenant) of the backlogged tenant with the least counter; fifo, the head of the queue. The request
+  chosen that does not fit stops admission: nothing overtakes it.
+- Share preemption (fair): no free row (or no KV room) for a tenant that waits below its guaranteed
+  rows -> the youngest request of the tenant most over its share is preempted by recompute
+  (`_share_victim`).
 - With the prefix cache, a request starts from the longest run of cached full blocks of its chain
   (batch-invariant: whole prefill chunks only) and may copy the head of its next block from a cached
   sibling; a request whose next block an earlier admitted request is computing is deferred until
-  that block is published (`_cached_prefix`).
+  that block is published (`_cached_prefix`): fifo, the queue behind it waits too; fair, only its
+  tenant is passed over for the step (the block is its own tenant's: the chain is salted by tenant).
 - Before a step every decode row gets the block its next token needs, oldest first; while the pool
-  is empty the youngest admitted request is preempted by recompute (`_choose_victim`, `_preempt`).
+  is empty a request is preempted by recompute (`_choose_victim`): fifo, the youngest admitted;
+  fair, the youngest of the tenant most over its share, never the oldest admitted while another is.
 - Prefill chunks: prompts in admission order within `max_prefill_tokens` per step (a long prompt is
   split); batch-invariant, chunks at fixed offsets (multiples of max_prefill_tokens), whole or not at
   all (`_fixed_offset_chunks`). Decode rows: every running request, ordered by adapter slot.
+- Accounting (both modes): each tenant is charged the prompt tokens it had prefilled (not cache
+  hits, not recompute) and the tokens it generated (at the next plan, or when it ends), its
+  requests' admission waits and preemptions (`FairPolicy.ledger`).
 
+With one tenant the fair policy makes every choice fifo makes (same admissions, victims, steps).
 Every method runs under the engine's lock (the caller holds it).
 """
 
@@ -25,8 +38,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass
 
+from handler.engine.fairness import W_DECODE, W_PREFILL, FairPolicy
 from handler.engine.request import Request
 from handler.model.kvcache import KVCache
 from handler.model.prefix_cache import chain_hashes, chain_root
@@ -48,13 +63,19 @@ class StepPlan:
 
 class Scheduler:
     """The queues and the policy (module docstring). The policy's choices go through `_next_to_admit`
-    (which waiting request admission considers next) and `_choose_victim` (which admitted request a
-    full pool preempts); another policy replaces those two."""
+    (which waiting request admission considers next), `_share_victim` (which admitted request gives
+    its row to a tenant below its share) and `_choose_victim` (which admitted request a full pool
+    preempts)."""
 
     def __init__(self, kv: KVCache, *, max_batch: int, max_prefill_tokens: int, kv_reserve: str,
-                 batch_invariant: bool, cache_key: str):
+                 batch_invariant: bool, cache_key: str, scheduling: str = "fair", w_prefill: float = W_PREFILL,
+                 w_decode: float = W_DECODE):
+        if scheduling not in ("fair", "fifo"):
+            raise ValueError(f"scheduling must be 'fair' or 'fifo', not {scheduling!r}")
         self.kv, self.max_batch, self.max_prefill_tokens = kv, max_batch, max_prefill_tokens
         self.cache_key = cache_key
+        self.scheduling, self.fair = scheduling, scheduling == "fair"
+        self.policy = FairPolicy(max_batch, w_prefill=w_prefill, w_decode=w_decode)
         self.requests: dict[str, Request] = {}  # every live request, by id
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
@@ -76,6 +97,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.id] = req
+        self.policy.arrive(req.tenant, req.weight)
         self.waiting.append(req)
 
     def withdraw(self, req: Request) -> bool:
@@ -89,15 +111,23 @@ class Scheduler:
         return True
 
     def retire(self, req: Request) -> None:
-        """Remove a finished request everywhere and free its cache."""
-        self.requests.pop(req.id, None)
+        """Remove a finished request everywhere, free its cache, and charge its tenant the rest."""
+        live = self.requests.pop(req.id, None) is not None
+        admitted = True
         if req in self.prefilling:
             self.prefilling.remove(req)
         elif req in self.running:
             self.running.remove(req)
+        else:
+            admitted = False
+            if live and req in self.waiting:  # not withdrawn first: leave the queue too
+                self.waiting.remove(req)
         if req.blocks is not None:
             self.kv.free(req.blocks)
             req.blocks = None
+        if live:
+            self._charge_out(req)
+            self.policy.leave(req.tenant, admitted)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -114,6 +144,9 @@ class Scheduler:
     def plan(self) -> StepPlan | None:
         """Grow the decode rows' blocks (preempting if need be), admit, and plan the step: None when
         there is nothing to run. Its requests are in the forward pass until `end_step`."""
+        for r in self.running:  # the tokens generated since the last plan, charged to their tenants
+            if len(r.out) != r.charged_out:
+                self._charge_out(r)
         self._grow_decode_blocks()  # running rows first, then newcomers with what is left
         self._admit()
         prefill = self._chunks()
@@ -135,6 +168,10 @@ class Scheduler:
         """A prefill chunk of n tokens is computed: count it, name the blocks it completed, and move a
         complete, uncancelled context to the decode rows."""
         self.prompt_tokens += max(0, min(n, len(r.prompt) - r.prefilled))  # recompute not counted
+        upto = min(r.prefilled + n, len(r.prompt))
+        if upto > r.charged_prompt:  # prompt positions computed for the first time (not hits, not recompute)
+            self.policy.charge(r.tenant, prefill=upto - max(r.prefilled, r.charged_prompt))
+            r.charged_prompt = upto
         r.prefilled += n
         self._publish(r)
         if not r.cancelled and r.prefilled == len(r.ctx):
@@ -168,35 +205,111 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------- admission
 
-    def _next_to_admit(self) -> Request:
-        """The request admission considers next: the head of the queue (first come, first served)."""
-        return self.waiting[0]
+    def _next_to_admit(self, skip: set, full: bool) -> Request | None:
+        """The request admission considers next, or None. fifo: the head of the queue (None once the
+        batch is full). fair: the head of the backlogged tenant with the least counter among the
+        tenants not in `skip` (deferred this step): first among those below their guaranteed rows
+        (when the batch is `full`, only those: they take a row from a tenant over its share)."""
+        if not self.fair:
+            return None if full else self.waiting[0]
+        if full and len(self.policy.clients) <= 1:  # one tenant: nobody to take a row from
+            return None
+        heads = self._heads(skip)
+        if len(heads) == 1 and not full:  # one tenant waiting: its head (first come, first served)
+            return next(iter(heads.values()))
+        below = [t for t in heads if self.policy.below_share(t)]
+        t = self.policy.pick(below if below or full else heads)
+        return None if t is None else heads[t]
+
+    def _heads(self, skip: set) -> dict:
+        """tenant -> its first waiting request, for the tenants not in `skip`, in queue order."""
+        want = self.policy.waiting_clients() - sum(1 for t in skip if self.policy.clients.get(t))
+        heads: dict = {}
+        if want <= 0:
+            return heads
+        for r in self.waiting:
+            t = r.tenant
+            if t not in heads and t not in skip:
+                heads[t] = r
+                if len(heads) >= want:
+                    break
+        return heads
 
     def _admit(self) -> None:
-        """Admit waiting requests while the batch has a free row and the cache their blocks; the first
-        that does not fit (or is deferred) stops admission."""
+        """Admit waiting requests while the batch has a free row (or, fair, a tenant below its share
+        can take one from a tenant over it) and the cache their blocks; the chosen request that does
+        not fit stops admission; one that is deferred stops it (fifo) or passes its tenant over for
+        the step (fair)."""
         pending: set[bytes] | None = None  # blocks being prefilled now, not yet published
-        while self.waiting and self.batch_size() < self.max_batch:
-            req = self._next_to_admit()
+        skip: set = set()  # tenants whose head is deferred this step (fair)
+        while self.waiting:
+            full = self.batch_size() >= self.max_batch
+            req = self._next_to_admit(skip, full)
+            if req is None:
+                break
             hit: list[int] | None = []
             if self.kv.prefix_cache:
                 if pending is None:
                     pending = {h for r in self.prefilling if r.hashes for h in r.hashes[r.published :]}
                 hit = self._cached_prefix(req, pending)
                 if hit is None:
+                    if not self.fair:
+                        break
+                    skip.add(req.tenant)
+                    continue
+            if full:  # fair: a tenant below its share takes the row of one over it
+                victim = self._share_victim(req.tenant)
+                if victim is None:
+                    self.kv.free(hit)
                     break
+                self._preempt(victim, "share")
+            if self.fair:
+                self._make_room(req, len(hit))
             if not self._place(req, hit):
-                break  # the cache is full: wait for a request to finish (first come, first served)
+                break  # the cache is full: wait for a request to finish (nobody overtakes it)
             self.waiting.remove(req)
             self.prefilling.append(req)
+            self.policy.admit(req.tenant)
             if pending is not None and req.hashes:
                 pending.update(req.hashes[req.published :])
+
+    def _share_victim(self, tenant) -> Request | None:
+        """The request preempted so that `tenant`, below its guaranteed rows, gets one: the youngest
+        of the tenant most over its share (None when `tenant` is not below its share or no tenant is
+        over its share)."""
+        if not self.policy.below_share(tenant):
+            return None
+        youngest = self._youngest_by_tenant(self.prefilling + self.running)
+        youngest.pop(tenant, None)
+        t = self.policy.most_over(youngest, strictly=True)
+        return None if t is None else youngest[t]
+
+    def _make_room(self, req: Request, have: int) -> None:
+        """Fair: a request of a tenant below its share whose blocks the cache lacks takes them from
+        the rows of tenants over their share (preempted, youngest of the most over first)."""
+        need = self.kv.blocks_for(len(req.ctx) + (
+            req.params.max_tokens - len(req.out) if self._reserve_max_tokens else 0)) - have
+        while need > self.kv.free_blocks:
+            victim = self._share_victim(req.tenant)
+            if victim is None:
+                return
+            self._preempt(victim, "share")
+
+    @staticmethod
+    def _youngest_by_tenant(reqs: list[Request]) -> dict:
+        """tenant -> its youngest request of `reqs`, tenants ordered by that request, youngest first."""
+        youngest: dict = {}
+        for r in reqs:
+            y = youngest.get(r.tenant)
+            if y is None or r.arrival > y.arrival:
+                youngest[r.tenant] = r
+        return dict(sorted(youngest.items(), key=lambda kv: kv[1].arrival, reverse=True))
 
     def _cached_prefix(self, req: Request, pending: set[bytes]) -> list[int] | None:
         """The cached full blocks the request starts from (referenced), or None to defer it: its next
         block is being computed by a request admitted before it (a burst on one system prompt), so it
-        waits for that block's publication, a step or so, rather than compute it again; first come,
-        first served, so the queue behind it waits too."""
+        waits for that block's publication, a step or so, rather than compute it again (fifo: the
+        queue behind it waits too; fair: its tenant is passed over for the step, the others go on)."""
         bs = self.kv.block_size
         if req.hashes is None:
             req.root = chain_root(self.cache_key, req.adapter_id, req.salt)
@@ -231,6 +344,7 @@ class Scheduler:
             req.prefilled += n
         if not req.admitted:  # a recompute after preemption is not a new lookup
             req.admitted = True
+            self.policy.queued(req.tenant, time.monotonic() - req.arrival)
             req.cached = req.prefilled
             if self.kv.prefix_cache:
                 self.prefix_queries += len(req.prompt)
@@ -272,17 +386,23 @@ class Scheduler:
             need = len(r.prompt) + len(r.out)  # positions 0 .. len - 1 are written once this step ends
             while not self.kv.grow(r.blocks, need):
                 victim = self._choose_victim()
-                self._preempt(victim)
+                self._preempt(victim, "kv")
                 if victim is r:
                     break
 
     def _choose_victim(self) -> Request:
-        """The request preempted when the pool is empty: the youngest admitted. The oldest can always
-        take the whole cache (prompt + max_tokens <= max_context <= the cache), so something always
-        advances."""
-        return max(self.prefilling + self.running, key=lambda q: q.arrival)
+        """The request preempted when the pool is empty. fifo: the youngest admitted. fair: the
+        youngest of the tenant most over its share (ties: the youngest), never the oldest admitted
+        while another is. The oldest can always take the whole cache (prompt + max_tokens <=
+        max_context <= the cache), so something always advances."""
+        admitted = self.prefilling + self.running
+        if not self.fair or len(admitted) == 1:
+            return max(admitted, key=lambda q: q.arrival)
+        oldest = min(admitted, key=lambda q: q.arrival)
+        youngest = self._youngest_by_tenant([r for r in admitted if r is not oldest])
+        return youngest[self.policy.most_over(youngest)]
 
-    def _preempt(self, r: Request) -> None:
+    def _preempt(self, r: Request, reason: str = "kv") -> None:
         """Free a request's cache and put it back at the head of the queue, to be recomputed."""
         if r in self.prefilling:
             self.prefilling.remove(r)
@@ -295,4 +415,13 @@ class Scheduler:
         r.hashes = None  # ctx changed: hashed again at readmission
         self.waiting.appendleft(r)
         self.preemptions += 1
-        log.info("preempted request %s (%d tokens to recompute): KV cache full", r.id, len(r.ctx))
+        self.policy.requeue(r.tenant, reason)
+        log.info("preempted request %s of tenant %s (%d tokens to recompute): %s", r.id, r.tenant, len(r.ctx),
+                 "KV cache full" if reason == "kv" else "a tenant below its share of rows waits")
+
+    def _charge_out(self, r: Request) -> None:
+        """Charge the request's tenant the tokens it generated since the last charge."""
+        n = len(r.out) - r.charged_out
+        if n > 0:
+            r.charged_out = len(r.out)
+            self.policy.charge(r.tenant, decode=n)

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from handler.threads import lower_thread_priority
+from handler.threads import FairThreadPool
 
 if TYPE_CHECKING:
     import torch
@@ -209,31 +209,29 @@ class GrammarCache:
 
 
 class GrammarBuilder:
-    """The replica's side of a validated grammar: its matcher, compiled on one background thread.
+    """The replica's side of a validated grammar: its matcher, compiled on a few background threads.
 
     llguidance drops the GIL while it compiles, so the event loop and the engine thread run on; the
-    thread is niced (the decode loop wins a shared core) and has a REPLICA_STACK_BYTES stack, 8x the
-    worker's compile thread (the compile is deterministic: what compiled there cannot overflow
-    here). The cost is what the worker just spent, within its time and memory limits."""
+    threads are niced (the decode loop wins a shared core) and have a REPLICA_STACK_BYTES stack, 8x
+    the worker's compile thread (the compile is deterministic: what compiled there cannot overflow
+    here). The cost is what the worker just spent, within its time and memory limits. Builds wait
+    in per-tenant queues taken round robin (handler.threads.FairThreadPool), a tenant on at most all
+    threads but one: another tenant's build never waits behind one tenant's stream of slow ones."""
 
-    def __init__(self, tokenizer, vocab_size: int, nice: int = 10):
+    def __init__(self, tokenizer, vocab_size: int, nice: int = 10, threads: int = 2):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.nice = nice
-        self._pool = None
+        self.threads = max(1, int(threads))
+        self._pool: FairThreadPool | None = None
 
     def start(self) -> None:
-        """Build the llguidance tokenizer and the thread (call once, off the event loop)."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        """Build the llguidance tokenizer and the threads (call once, off the event loop)."""
         self.llt = ll_tokenizer(self.tokenizer, self.vocab_size)
-        old = threading.stack_size()
-        threading.stack_size(REPLICA_STACK_BYTES)
-        try:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-grammar")
-            self._pool.submit(_lower_priority, self.nice).result()  # the thread exists now, with that stack
-        finally:
-            threading.stack_size(old)
+        # a tenant's builds follow its worker compiles (at most workers - 1 at once): the caps are
+        # a backstop, not the limit a tenant meets
+        self._pool = FairThreadPool(self.threads, name="lorafarm-grammar", tenant_cap=64, total_cap=1024,
+                                    nice=self.nice, stack_bytes=REPLICA_STACK_BYTES).start()
 
     def _build(self, grammar: str, cost: int) -> CompiledGrammar:
         from llguidance import LLMatcher
@@ -243,25 +241,22 @@ class GrammarBuilder:
             raise ValueError(f"the grammar does not compile: {base.get_error()}")
         return CompiledGrammar(grammar, base, len(grammar) + max(int(cost), 2 * len(grammar)))
 
-    async def build(self, grammar: str, cost: int) -> CompiledGrammar:
-        import asyncio
-
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._build, grammar, cost)
+    async def build(self, grammar: str, cost: int, tenant: str = "-") -> CompiledGrammar:
+        """The matcher of a validated grammar, built in `tenant`'s turn (handler.threads.QueueFull
+        when the tenant has too many builds waiting)."""
+        return await self._pool.run(tenant, 1, self._build, grammar, cost)
 
     async def trim(self) -> None:
-        """malloc_trim on the build thread: after evictions, the freed matchers' memory goes back
+        """malloc_trim on a build thread: after evictions, the freed matchers' memory goes back
         to the OS instead of staying in the allocator's arenas."""
-        import asyncio
+        await self._pool.run("(trim)", 1, malloc_trim)
 
-        await asyncio.get_running_loop().run_in_executor(self._pool, malloc_trim)
+    def stats(self) -> dict:
+        return self._pool.stats() if self._pool is not None else {}
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _lower_priority(nice: int) -> None:
-    lower_thread_priority(nice)
+            self._pool.close()
 
 
 def malloc_trim() -> None:

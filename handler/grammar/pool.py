@@ -28,9 +28,18 @@ Limits, each failing only its own request with `GrammarError` (a 400 `invalid_sc
 limit) while the pool respawns the worker: the wall time (`timeout_s`: the worker is killed), the
 memory (`memory_bytes`: RLIMIT_DATA set to the worker's baseline + this; an allocation past it
 aborts the worker or raises MemoryError), a crash (any signal: SIGSEGV, SIGABRT). A worker is also
-recycled after MAX_JOBS jobs or when it grew by half its memory budget (fragmentation). Per tenant
-at most `max(1, workers - 1)` compiles run at once, so one tenant's burst of schemas leaves a worker
-to the others; at most `max_waiting` compiles wait (429 above).
+recycled after MAX_JOBS jobs or when it grew by half its memory budget (fragmentation).
+
+Fair by tenant (issue 35): compiles wait in per-tenant queues (handler.threads.TenantQueues) and a
+free worker goes to the next tenant in round robin, never to the oldest compile. Per tenant at most
+`max(1, workers - 1)` compiles run at once (a worker is always left to the others) and at most
+`tenant_waiting` wait (`GrammarBusy`, a 429, above: the tenant's own backlog); `max_waiting` caps the
+compiles waiting in all, but a tenant holding less than its share of it (`max_waiting` / tenants
+waiting) is still admitted, so one tenant's backlog never refuses another's. A compile whose caller
+is cancelled (its client went away) leaves its queue at once; one already running is stopped by
+killing its worker, and that tenant's running slot stays taken until the replacement worker is up
+(so cancelling in a loop cannot take every worker away from the others). `stats()` says who waits
+and who runs.
 
 The replica then builds its own matcher from the validated grammar (handler.grammar.constrained.
 GrammarBuilder): llguidance drops the GIL while it compiles, so that runs on one background thread
@@ -64,6 +73,7 @@ from pathlib import Path
 # torch, llguidance only once called), so a worker is still a small process
 from handler.grammar import constrained
 from handler.grammar.constrained import REPLICA_STACK_BYTES, malloc_trim  # noqa: F401 (importable here too)
+from handler.threads import TenantQueues
 
 log = logging.getLogger("lorafarm.replica.grammar")
 
@@ -392,7 +402,7 @@ class GrammarPool:
     """A pool of grammar worker processes (see the module doc)."""
 
     def __init__(self, tokenizer_spec: dict, *, workers: int = 2, timeout_s: float = 4.0,
-                 memory_bytes: int = 1024**3, max_waiting: int = 64, nice: int = 10,
+                 memory_bytes: int = 1024**3, max_waiting: int = 64, tenant_waiting: int = 16, nice: int = 10,
                  probe_steps: int = PROBE_STEPS, start_timeout_s: float = 60.0):
         if workers < 1:
             raise ValueError("a grammar pool needs at least one worker")
@@ -400,26 +410,30 @@ class GrammarPool:
         self.timeout_s = float(timeout_s)
         self.memory_bytes = int(memory_bytes)
         self.max_waiting = int(max_waiting)
+        self.tenant_waiting = int(tenant_waiting)
         self.start_timeout_s = float(start_timeout_s)
         self.per_tenant = max(1, self.workers - 1)
         self._setup = {**tokenizer_spec, "memory_bytes": self.memory_bytes, "nice": int(nice),
                        "probe_steps": int(probe_steps)}
-        self._idle: asyncio.Queue[_Worker] | None = None
+        self._started = False
+        self._idle: collections.deque[_Worker] = collections.deque()
         self._all: set[_Worker] = set()
-        self._tenants: dict[str, asyncio.Semaphore] = {}
-        self._tenant_users: collections.Counter = collections.Counter()
-        self._waiting = 0
+        # waiting compiles (futures that get a worker), per tenant, round robin
+        self._queues = TenantQueues(tenant_cap=self.tenant_waiting, total_cap=self.max_waiting,
+                                    running_cap=self.per_tenant)
         self._closed = False
         self._spawns: set[asyncio.Task] = set()
         # counters (exported by the replica's metrics/state)
         self.compiles = 0
         self.failures: collections.Counter = collections.Counter()  # by limit
         self.respawns = 0
+        self.busy = 0  # compiles refused with GrammarBusy (a tenant's queue full)
+        self.cancelled = 0  # compiles whose caller went away (waiting or running)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._idle = asyncio.Queue()
+        self._started = True
         results = await asyncio.gather(*(self._spawn() for _ in range(self.workers)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if len(failed) == self.workers:
@@ -434,6 +448,12 @@ class GrammarPool:
         for w in list(self._all):
             await w.kill()
         self._all.clear()
+        self._idle.clear()
+        while (nxt := self._queues.pop()) is not None:  # waiting compiles: "not running"
+            tenant, fut = nxt
+            self._queues.done(tenant)
+            if not fut.done():
+                fut.set_exception(GrammarError("the grammar workers are not running", "unavailable"))
 
     @property
     def alive(self) -> int:
@@ -471,91 +491,149 @@ class GrammarPool:
             self._all.discard(w)
             await w.kill()
             return
-        self._idle.put_nowait(w)
+        self._give_back(w)
 
-    def _respawn_later(self) -> None:
+    def _give_back(self, w: _Worker) -> None:
+        """A free worker: to the next waiting compile in round robin across tenants, else idle."""
+        self._idle.append(w)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._idle:
+            nxt = self._queues.pop()
+            if nxt is None:
+                return
+            tenant, fut = nxt
+            if fut.done():  # its caller went away just now
+                self._queues.done(tenant)
+                continue
+            fut.set_result(self._idle.popleft())
+
+    def _finish(self, tenant: str) -> None:
+        """A compile of `tenant` no longer holds a worker: its next compile may run."""
+        self._queues.done(tenant)
+        self._dispatch()
+
+    def _respawn_later(self, then=None) -> None:
+        """Start a replacement worker in the background; `then()` once the first attempt ended."""
         if self._closed:
+            if then is not None:
+                then()
             return
         self.respawns += 1
 
         async def again():
             delay = 0.0
-            while not self._closed:
-                try:
-                    await self._spawn()
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    delay = min(5.0, delay * 2 or 0.2)
-                    log.error("grammar worker respawn failed (retry in %.1fs): %s", delay, e)
-                    await asyncio.sleep(delay)
+            first = True
+            try:
+                while not self._closed:
+                    try:
+                        await self._spawn()
+                        return
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001
+                        if first and then is not None:
+                            first = False
+                            then()
+                        delay = min(5.0, delay * 2 or 0.2)
+                        log.error("grammar worker respawn failed (retry in %.1fs): %s", delay, e)
+                        await asyncio.sleep(delay)
+            finally:
+                if first and then is not None:
+                    then()
 
         t = asyncio.ensure_future(again())
         self._spawns.add(t)
         t.add_done_callback(self._spawns.discard)
 
-    async def _retire(self, w: _Worker, grace_s: float = 0.0) -> int | None:
+    async def _retire(self, w: _Worker, grace_s: float = 0.0, then=None) -> int | None:
+        """Kill `w` and replace it; `then()` once the replacement is up (or its first start failed)."""
         self._all.discard(w)
-        rc = await w.kill(grace_s)
-        self._respawn_later()
+        try:
+            rc = await w.kill(grace_s)
+        finally:
+            self._respawn_later(then)
         return rc
+
+    def stats(self) -> dict:
+        """Who waits and who runs: {"workers", "alive", "idle", "waiting", "busy", "cancelled",
+        "tenants": {tenant: {"waiting": n, "running": n}}} (running: holding a worker, or the slot
+        of a worker killed for it that is not back yet)."""
+        return {"workers": self.workers, "alive": self.alive, "idle": len(self._idle),
+                "waiting": self._queues.waiting, "busy": self.busy, "cancelled": self.cancelled,
+                "tenants": self._queues.tenants()}
 
     # -- compiling ----------------------------------------------------------------------------
 
     async def compile(self, job: dict | bytes, tenant: str = "-") -> WorkerResult:
-        """Compile and test-run one grammar job (a dict, or its JSON encoded already) in a worker.
-        GrammarError when it is refused or a limit is hit (that worker is replaced); GrammarBusy
-        when too many compiles wait."""
-        if self._idle is None or self._closed:
+        """Compile and test-run one grammar job (a dict, or its JSON encoded already) in a worker, in
+        `tenant`'s turn. GrammarError when it is refused or a limit is hit (that worker is replaced);
+        GrammarBusy when the tenant already has too many compiles waiting."""
+        if not self._started or self._closed:
             raise GrammarError("the grammar workers are not running", "unavailable")
-        if self._waiting >= self.max_waiting:
+        if not self._queues.admits(tenant):
+            self.busy += 1
             raise GrammarBusy()
-        sem = self._tenants.get(tenant)
-        if sem is None:
-            sem = self._tenants[tenant] = asyncio.Semaphore(self.per_tenant)
-        self._tenant_users[tenant] += 1
-        self._waiting += 1
-        waiting = True
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queues.push(tenant, fut)
+        self._dispatch()
         try:
-            async with sem:
-                try:
-                    w = await asyncio.wait_for(self._idle.get(), max(self.timeout_s, self.start_timeout_s))
-                except asyncio.TimeoutError:
-                    raise GrammarError("no grammar worker became free in time", "unavailable") from None
-                self._waiting -= 1
-                waiting = False
-                return await self._run(w, job)
-        finally:
-            if waiting:
-                self._waiting -= 1
-            self._tenant_users[tenant] -= 1
-            if self._tenant_users[tenant] <= 0:
-                del self._tenant_users[tenant]
-                self._tenants.pop(tenant, None)
+            if not fut.done():
+                await asyncio.wait({fut}, timeout=max(self.timeout_s, self.start_timeout_s))
+        except asyncio.CancelledError:
+            self._leave_queue(tenant, fut)
+            raise
+        if not fut.done():
+            self._leave_queue(tenant, fut)
+            raise GrammarError("no grammar worker became free in time", "unavailable")
+        w = fut.result()  # a GrammarError when the pool closed meanwhile
+        return await self._run(w, job, tenant)
 
-    async def _run(self, w: _Worker, job: dict | bytes) -> WorkerResult:
+    def _leave_queue(self, tenant: str, fut: asyncio.Future) -> None:
+        """The caller stopped waiting (cancelled or timed out): out of the queue; a worker handed to
+        it meanwhile goes to the next compile."""
+        self.cancelled += 1
+        if fut.done():
+            if not fut.cancelled() and fut.exception() is None:
+                self._queues.done(tenant)
+                self._give_back(fut.result())
+            return
+        fut.cancel()
+        self._queues.remove(tenant, fut)
+
+    async def _run(self, w: _Worker, job: dict | bytes, tenant: str = "-") -> WorkerResult:
+        """Run the job on `w` (which `tenant` holds); give the worker and the tenant's slot back."""
         self.compiles += 1
         t0 = time.perf_counter()
+        release = True  # the tenant's slot is freed on the way out (else: once a replacement is up)
         try:
-            await w.send(job)
-            answer = await asyncio.wait_for(w.recv(), self.timeout_s)
-        except asyncio.TimeoutError:
-            await self._retire(w)
-            self.failures["timeout"] += 1
-            raise GrammarError(f"compiling the grammar exceeded the time limit of {self.timeout_s:g} s "
-                               f"(--grammar-timeout-s)", "timeout") from None
-        except asyncio.CancelledError:  # the client went away mid-compile: the worker may be busy
-            await self._retire(w)
-            raise
-        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, ValueError) as e:
-            rc = await self._retire(w, grace_s=2.0)  # it is dying: its exit status says of what
-            raise self._death(w, rc, e) from None
-        if answer.get("recycle"):
-            await self._retire(w)
-            self.respawns -= 1  # a planned replacement, not a failure
-        else:
-            self._idle.put_nowait(w)
+            try:
+                await w.send(job)
+                answer = await asyncio.wait_for(w.recv(), self.timeout_s)
+            except asyncio.TimeoutError:
+                release = False
+                await self._retire(w, then=lambda: self._finish(tenant))
+                self.failures["timeout"] += 1
+                raise GrammarError(f"compiling the grammar exceeded the time limit of {self.timeout_s:g} s "
+                                   f"(--grammar-timeout-s)", "timeout") from None
+            except asyncio.CancelledError:  # the caller went away mid-compile: stop it (the worker is busy)
+                self.cancelled += 1
+                release = False
+                await self._retire(w, then=lambda: self._finish(tenant))
+                raise
+            except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, ValueError) as e:
+                release = False
+                rc = await self._retire(w, grace_s=2.0, then=lambda: self._finish(tenant))  # its exit status says why
+                raise self._death(w, rc, e) from None
+            if answer.get("recycle"):
+                await self._retire(w)
+                self.respawns -= 1  # a planned replacement, not a failure
+            else:
+                self._idle.append(w)
+        finally:
+            if release:
+                self._finish(tenant)
         if not answer.get("ok"):
             limit = answer.get("limit", "invalid")
             self.failures[limit] += 1

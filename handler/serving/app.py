@@ -34,6 +34,7 @@ from archives.keys import load_public_keys
 from archives.store import open_store
 from handler.adapters.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
 from handler.adapters.retire import Retirer
+from handler.engine.fairness import clamp_weight
 from handler.serving.config import Limits, ReplicaConfig
 from handler.serving.handler import GenerationRequest, HandlerContext, LoraHandler, load_error_to_openai, not_ready
 from handler.serving.metrics import CONTENT_TYPE, ReplicaMetrics
@@ -326,8 +327,12 @@ async def _complete(request: Request, kind: str) -> Response | Stream:
     HTTP status; past that it is committed and keep-alives flow while it waits. A client that leaves
     cancels its request wherever it is (counted cancelled; answered 499)."""
     h = _service(request).handler
-    greq = await h.preprocess(kind, await request.body(), request.headers.get("x-lorafarm-tenant") or None,
-                              request.headers.get("x-lorafarm-model-name"))
+    # a client that leaves while its body is prepared or its grammar compiles stops that work (its
+    # queued prep job and compile are dropped: handler.serving.prep, handler.grammar.pool)
+    greq = await _or_disconnect(request, h.preprocess(
+        kind, await request.body(), request.headers.get("x-lorafarm-tenant") or None,
+        request.headers.get("x-lorafarm-model-name")))
+    greq.tenant_weight = clamp_weight(request.headers.get("x-lorafarm-tenant-weight"))  # fair share (engine)
     h.admit(greq)
     gen = h.inference(greq)
     try:

@@ -49,6 +49,16 @@ class Limits:
     grammar_memory_bytes: int = 1024**3
     grammar_cache_bytes: int = 256 * 1024**2  # compiled matchers in the replica; a tenant gets 1/4
     prep_inline_bytes: int = 16 * 1024  # bodies above this are tokenized off the event loop
+    # fair shares of the shared queues (issue 35; handler.serving.prep, handler.grammar.pool): the prep
+    # threads that parse and tokenize large bodies (a tenant on all but one of them), the prep jobs a
+    # tenant may have waiting (429 prep_queue_full above) and all tenants together (a tenant under its
+    # share is still admitted); the grammar compiles a tenant may have waiting (429 grammar_queue_full)
+    # and all tenants together (same share rule)
+    prep_threads: int = 2
+    prep_tenant_queue: int = 8
+    prep_max_queued: int = 64
+    grammar_tenant_waiting: int = 16
+    grammar_max_waiting: int = 64
 
 
 @dataclass

@@ -25,7 +25,6 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -50,6 +49,9 @@ from handler.grammar.tools_prompt import render_messages
 from handler.model.merge import MergedAdapter
 from handler.serving.config import REPLICA_ENGINE, Limits
 from handler.serving.metrics import ReplicaMetrics, RequestTimer
+from handler.serving.prep import FairQueuesCollector, TokenBound, prep_pool
+from handler.serving.shedding import fair_admits
+from handler.threads import FairThreadPool, QueueFull
 from lorafarm import openai_schemas as oai
 from lorafarm.schemas import HeldAdapter, ReplicaState
 
@@ -104,6 +106,7 @@ class GenerationRequest:
     grammar: Any = None  # constrained decoding (response_format or tools): a constrained.CompiledGrammar
     tool_mode: str | None = None  # None, "auto", "required" or the named function
     tenant: str | None = None  # the router's x-lorafarm-tenant: the prefix cache's partition
+    tenant_weight: float = 1.0  # the router's x-lorafarm-tenant-weight: the tenant's fair share weight
 
 
 @dataclass
@@ -202,7 +205,7 @@ class Generation:
         try:
             for i, c in enumerate(self.choices):
                 h.engine.add_request(c.engine_id, greq.prompt_ids, h.sampling_params(greq, i), greq.adapter_id,
-                                     self._on_event, cache_salt=greq.tenant)
+                                     self._on_event, cache_salt=greq.tenant, weight=greq.tenant_weight)
                 self._engine_open.add(c.engine_id)
         except Exception as e:
             for eid in self._engine_open:
@@ -469,10 +472,11 @@ class LoraHandler:
         self.grammar_pool: GrammarPool | None = None  # started in `start`
         self.grammar_builder: constrained.GrammarBuilder | None = None
         self.grammar_cache: constrained.GrammarCache | None = None
-        self._grammar_inflight: dict[str, asyncio.Future] = {}
+        self._grammar_inflight: dict[tuple[str, str], _SharedCompile] = {}  # by (tenant, schema key)
         self._grammar_refused: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.grammar_failures = 0  # parser limits hit mid-generation
-        self._prep: ThreadPoolExecutor | None = None  # the thread that tokenizes large prompts off the event loop
+        self._prep: FairThreadPool | None = None  # threads that parse/tokenize large bodies (serving.prep)
+        self.token_bound: TokenBound | None = None  # lower bounds of a prompt's tokens (refused before tokenizing)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -484,6 +488,10 @@ class LoraHandler:
         self.metrics.watch_grammar(self)
         self.metrics.watch_prefix_cache(self)
         self.metrics.watch_speculation(self)
+        if not getattr(self.metrics, "_fair_queues_watched", False):  # per-tenant queue depths
+            self.metrics.registry.register(FairQueuesCollector(self))
+            self.metrics._fair_queues_watched = True
+        self.metrics.watch_tenants(self)
         self.base_config = read_base_config(context.model_dir)
         self.base_model_hash = base_model_hash(context.model_dir)
         rank_limit = context.limits.rank_limit
@@ -532,21 +540,24 @@ class LoraHandler:
         await self._start_grammar()
 
     async def _start_grammar(self) -> None:
-        """The grammar worker pool, the matcher-build thread, the byte-bounded cache, and the thread
-        that tokenizes large prompts (handler.grammar.pool)."""
+        """The grammar worker pool, the matcher-build threads, the byte-bounded cache (handler.grammar.pool),
+        and the threads that parse and tokenize large bodies, fair by tenant (handler.serving.prep)."""
         lim = self.context.limits
         vocab = int(self.engine.config.vocab_size)
-        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafarm-prep")
+        self._prep = prep_pool(lim).start()
+        self.token_bound = await asyncio.to_thread(TokenBound.of, self.engine.tokenizer)
         self.grammar_cache = constrained.GrammarCache(lim.grammar_cache_bytes)
         try:
             spec = await asyncio.to_thread(constrained.tokenizer_spec, self.engine.tokenizer, vocab)
         except Exception as e:  # not a fast tokenizer: constrained decoding is refused (400), the rest serves
             log.warning("no constrained decoding on this replica: %s", e)
             return
-        self.grammar_builder = constrained.GrammarBuilder(self.engine.tokenizer, vocab, nice=self.context.load_nice)
+        self.grammar_builder = constrained.GrammarBuilder(self.engine.tokenizer, vocab, nice=self.context.load_nice,
+                                                          threads=lim.grammar_workers)
         await asyncio.to_thread(self.grammar_builder.start)
         self.grammar_pool = GrammarPool(spec, workers=lim.grammar_workers, timeout_s=lim.grammar_timeout_s,
-                                        memory_bytes=lim.grammar_memory_bytes)
+                                        memory_bytes=lim.grammar_memory_bytes, max_waiting=lim.grammar_max_waiting,
+                                        tenant_waiting=lim.grammar_tenant_waiting)
         await self.grammar_pool.start()
 
     async def shutdown(self) -> None:
@@ -564,7 +575,7 @@ class LoraHandler:
         if self.grammar_builder is not None:
             self.grammar_builder.close()
         if self._prep is not None:
-            self._prep.shutdown(wait=False, cancel_futures=True)
+            self._prep.close()
 
     def _bg(self, coro_fn) -> None:
         """Run `coro_fn()` as a task on the serving loop (from any thread)."""
@@ -593,18 +604,23 @@ class LoraHandler:
         `model_name` (the router's x-lorafarm-model-name: the alias the client asked for) is the model
         the answer names. Nothing here that can take long runs on the event loop: a large body is
         tokenized (chat template, tool prompt, tokenizer) on a thread; a grammar compiles in a worker
-        process, and its matcher is built on a thread that does not hold the GIL."""
+        process, and its matcher is built on a thread that does not hold the GIL. The threads and the
+        grammar workers are shared fairly by tenant (handler.serving.prep, handler.grammar.pool): 429
+        prep_queue_full / grammar_queue_full when this tenant has too much of its own work waiting."""
         lim = self.context.limits
         model_cls = oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest
         size = len(body) if isinstance(body, (bytes, bytearray, str)) else 0
         big = size > lim.prep_inline_bytes and self._prep is not None
+        flow = tenant or "-"  # whose turn a large body's prep work takes
         if isinstance(body, model_cls):
             req = body
+        elif big:
+            req = await self._off_loop(flow, size, oai.parse_request, model_cls, body)
         else:
-            req = await self._off_loop(oai.parse_request, model_cls, body) if big else oai.parse_request(model_cls, body)
+            req = oai.parse_request(model_cls, body)
         adapter_id = await self.resolve_model(req.model)
         tier = "gpu" if (adapter_id is None or self.context.merged_adapter) else self.cache.tier_of(adapter_id)
-        prompt_ids = await self._off_loop(self._tokenize, kind, req) if big else self._tokenize(kind, req)
+        prompt_ids = await self._off_loop(flow, size, self._tokenize, kind, req) if big else self._tokenize(kind, req)
         max_tokens = self._max_tokens(kind, req, len(prompt_ids))
         rid = f"{self.context.replica_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         echo = model_name if model_name and len(model_name) <= 256 and model_name.isprintable() else None
@@ -612,7 +628,8 @@ class LoraHandler:
             kind=kind, body=req, model=echo or req.model, adapter_id=adapter_id, prompt_ids=prompt_ids,
             max_tokens=max_tokens, stop=req.stop_list, stream=req.stream, include_usage=req.include_usage,
             tier=tier, request_id=rid, response_id=oai.new_id(kind), created=oai.now(), n=req.n,
-            grammar=await self._grammar(kind, req, tenant or req.model, big=size > lim.prep_inline_bytes),
+            grammar=await self._grammar(kind, req, tenant or req.model,
+                                        big=size if size > lim.prep_inline_bytes else 0),
             tool_mode=req.tool_mode if kind == "chat" else None, tenant=tenant)
 
     def _max_tokens(self, kind: str, req, n_prompt: int) -> int:
@@ -622,10 +639,7 @@ class LoraHandler:
         if n_prompt == 0:
             raise oai.bad_request("The prompt is empty.", param="prompt", code="invalid_value")
         if n_prompt >= max_ctx:
-            raise oai.bad_request(
-                f"This model's maximum context length is {max_ctx} tokens. However, your prompt has "
-                f"{n_prompt} tokens.", param="messages" if kind == "chat" else "prompt",
-                code="context_length_exceeded")
+            raise _prompt_too_long(kind, max_ctx, n_prompt)
         max_tokens = oai.effective_max_tokens(req.max_tokens, default=self.context.limits.default_max_tokens)
         if req.max_tokens is None:  # the default, capped to what the context leaves; a sent limit must fit
             return min(max_tokens, max_ctx - n_prompt)
@@ -643,21 +657,55 @@ class LoraHandler:
         adapter or for a batch place); 503 overloaded with Retry-After when the engine's remaining
         work (unprefilled prompt + tokens still to generate, waiting and running) plus this request's
         passes `Limits.max_queued_tokens` (a lone request is always admitted). The router fails these
-        over to another replica, or hands the client the status and its Retry-After."""
+        over to another replica, or hands the client the status and its Retry-After.
+
+        Both bounds are shared fairly by tenant (issue 35, `handler.serving.shedding.fair_admits`):
+        past a bound a tenant is still admitted while what it holds, this request included, fits its
+        share (the bound / the tenants holding some of it), and one holding nothing is admitted; never
+        past twice the bound. So one tenant filling the queue or the token bound has its own further
+        requests refused, never another tenant's; a tenant alone sheds exactly as before."""
         lim = self.context.limits
         if self.draining:
             raise not_ready()
         st = self.engine.stats()
-        if self._waiting_for_adapter + int(st.waiting) >= lim.max_waiting:
-            raise oai.OpenAIError(429, "The replica's waiting queue is full; retry shortly.",
-                                  type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        load: _TenantLoad | None = None  # per-tenant counts, only once a bound is reached
+        waiting = self._waiting_for_adapter + int(st.waiting)
+        if waiting >= lim.max_waiting:
+            load = self._tenant_load()
+            if not fair_admits(waiting, load.waiting, greq.tenant, lim.max_waiting):
+                raise oai.OpenAIError(429, "The replica's waiting queue is full; retry shortly.", type="rate_limit_error",
+                                      code="queue_full", headers={"Retry-After": "1"})
         queued = int(st.tokens_in_flight)
         cost = len(greq.prompt_ids) + int(greq.max_tokens or 0) * int(greq.n or 1)
         if lim.max_queued_tokens > 0 and queued and queued + cost > lim.max_queued_tokens:
-            raise oai.OpenAIError(
-                503, f"The replica is overloaded ({queued} tokens of work queued, limit {lim.max_queued_tokens}); "
-                "retry shortly.", type="server_error", code="overloaded",
-                headers={"Retry-After": str(lim.shed_retry_after_s)})
+            load = load or self._tenant_load()
+            if not fair_admits(queued, load.tokens, greq.tenant, lim.max_queued_tokens, add=cost):
+                raise oai.OpenAIError(
+                    503, f"The replica is overloaded ({queued} tokens of work queued, limit "
+                    f"{lim.max_queued_tokens}); retry shortly.", type="server_error", code="overloaded",
+                    headers={"Retry-After": str(lim.shed_retry_after_s)})
+
+    def _tenant_load(self) -> _TenantLoad:
+        """Per tenant (`GenerationRequest.tenant`), for `admit`'s fair share: its waiting count (its
+        requests waiting for their adapter + its engine rows waiting for a batch place, as the global
+        count) and its queued tokens of work (per live choice: the prompt until its first token, plus
+        the tokens it may still generate; the engine's own count is exact only globally)."""
+        load = _TenantLoad(collections.Counter(), collections.Counter())
+        for a in self.engine.tenant_stats().active:
+            if a.waiting > 0:
+                load.waiting[a.client] += int(a.waiting)
+        for gen in list(self._inflight.values()):
+            g = gen.greq
+            if gen._done or gen.error is not None:
+                continue
+            if not gen._admission.done() and not gen._holds_adapter and self._uses_cache(g):
+                load.waiting[g.tenant] += 1
+            left = sum(max(0, int(g.max_tokens or 0) - c.completion_tokens)
+                       + (len(g.prompt_ids) if c.completion_tokens == 0 else 0)
+                       for c in gen.choices if not c.done)
+            if left:
+                load.tokens[g.tenant] += left
+        return load
 
     def inference(self, greq: GenerationRequest) -> Generation:
         """Start the request: its `Generation` takes the adapter (loading it if cold) and submits the
@@ -739,6 +787,8 @@ class LoraHandler:
         return model
 
     def _tokenize(self, kind: str, req) -> list[int]:
+        """The prompt's token ids; a prompt provably past the context is refused (400
+        context_length_exceeded) before it is tokenized whole (handler.serving.prep.TokenBound)."""
         tok = self.engine.tokenizer
         if kind == "chat":
             messages, kw = render_messages(tok, req)
@@ -747,6 +797,7 @@ class LoraHandler:
             except Exception as e:
                 raise oai.bad_request(f"The messages cannot be formatted with the chat template: {e}",
                                       param="messages") from None
+            self._check_bound(kind, text, False)
             return list(tok.encode(text, add_special_tokens=False))
         ids = req.prompt_token_ids()
         if ids is not None:
@@ -754,17 +805,38 @@ class LoraHandler:
             if vocab and any(i < 0 or i >= vocab for i in ids):
                 raise oai.bad_request("prompt token ids out of the vocabulary", param="prompt")
             return ids
-        return list(tok.encode(req.prompt_text(), add_special_tokens=True))
+        text = req.prompt_text()
+        self._check_bound(kind, text, True)
+        return list(tok.encode(text, add_special_tokens=True))
 
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+    def _check_bound(self, kind: str, text: str, add_special_tokens: bool) -> None:
+        if self.token_bound is None:
+            return
+        max_ctx = int(self.engine.max_context)
+        least = self.token_bound.least_tokens(text, max_ctx, add_special_tokens)
+        if least is not None and least >= max_ctx:
+            self.token_bound.refused += 1
+            raise _prompt_too_long(kind, max_ctx, least, at_least=True)
 
-    async def _grammar(self, kind: str, req, tenant: str, big: bool = False):
+    async def _off_loop(self, tenant: str, cost: int, fn, *args):
+        """`fn(*args)` on a prep thread in `tenant`'s turn (deficit round robin by `cost` bytes); 429
+        prep_queue_full when the tenant already has its share of prep work waiting."""
+        try:
+            return await self._prep.run(tenant, cost, fn, *args)
+        except QueueFull:
+            raise oai.OpenAIError(429, "Too many of your large requests are waiting to be prepared; retry shortly.",
+                                  type="rate_limit_error", code="prep_queue_full",
+                                  headers={"Retry-After": "1"}) from None
+
+    async def _grammar(self, kind: str, req, tenant: str, big: int = 0):
         """The compiled grammar that constrains the answer (json_object / json_schema / tool calls),
         None for free text. Compiled and test-run in a worker process (handler.grammar.pool), its
-        matcher built off the loop, cached by bytes per tenant; identical concurrent requests share
-        one compile, and a refused grammar is remembered (a poison schema kills at most one worker).
-        400 invalid_schema when a limit is hit or it cannot be enforced; 429 when too many wait."""
+        matcher built off the loop, cached by bytes per tenant; identical concurrent requests of one
+        tenant share one compile (never another tenant's: no request waits in another tenant's
+        queue), and a refused grammar is remembered (a poison schema kills at most one worker). A
+        compile whose requests all went away is cancelled. `big`: the body's size when it is large
+        (its schema is hashed on a prep thread). 400 invalid_schema when a limit is hit or it cannot
+        be enforced; 429 when the tenant has too many compiles waiting."""
         if kind != "chat":
             return None
         if req.tool_mode is not None:
@@ -782,32 +854,46 @@ class LoraHandler:
             raise oai.bad_request(f"Invalid {param}: constrained decoding is not available for this model.",
                                   param=param, code="invalid_schema")
         # a large schema's canonical JSON and hash (and its encoding for the worker) off the loop
-        raw, key = (await self._off_loop(_job_key, job)) if big and self._prep is not None else _job_key(job)
+        if big and self._prep is not None:
+            raw, key = await self._off_loop(tenant, big, _job_key, job)
+        else:
+            raw, key = _job_key(job)
         refused = self._grammar_refused.get(key)
         if refused is not None:
             raise oai.bad_request(f"Invalid {param}: {refused[0]}", param=param, code="invalid_schema")
         hit = self.grammar_cache.get(key)
         if hit is not None:
             return hit
-        fut = self._grammar_inflight.get(key)
-        if fut is None:
-            fut = self._grammar_inflight[key] = asyncio.ensure_future(self._compile_grammar(key, raw, tenant))
-            fut.add_done_callback(lambda f, k=key: self._grammar_inflight.pop(k, None))
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        shared = self._grammar_inflight.get((tenant, key))
+        if shared is None:
+            shared = _SharedCompile(asyncio.ensure_future(self._compile_grammar(key, raw, tenant)))
+            self._grammar_inflight[(tenant, key)] = shared
+            shared.task.add_done_callback(lambda f, k=(tenant, key), s=shared: self._end_compile(k, s))
+            shared.task.add_done_callback(lambda f: f.cancelled() or f.exception())
+        shared.requests += 1
         try:
-            return await asyncio.shield(fut)
+            return await asyncio.shield(shared.task)  # one requester leaving does not stop the others'
         except GrammarError as e:
             raise oai.bad_request(f"Invalid {param}: {e}", param=param, code="invalid_schema") from None
-        except GrammarBusy:
-            raise oai.OpenAIError(429, "Too many grammars are being compiled; retry shortly.",
+        except (GrammarBusy, QueueFull):
+            raise oai.OpenAIError(429, "Too many of your grammars are waiting to be compiled; retry shortly.",
                                   type="rate_limit_error", code="grammar_queue_full",
                                   headers={"Retry-After": "1"}) from None
+        finally:
+            shared.requests -= 1
+            if shared.requests <= 0 and not shared.task.done():  # every requester went away: stop it
+                shared.task.cancel()
+                self._end_compile((tenant, key), shared)
+
+    def _end_compile(self, key: tuple[str, str], shared: _SharedCompile) -> None:
+        if self._grammar_inflight.get(key) is shared:
+            del self._grammar_inflight[key]
 
     async def _compile_grammar(self, key: str, job: bytes, tenant: str):
         try:
             res = await self.grammar_pool.compile(job, tenant)
             try:
-                compiled = await self.grammar_builder.build(res.grammar, res.cost)
+                compiled = await self.grammar_builder.build(res.grammar, res.cost, tenant)
             except ValueError as e:  # the worker compiled it: should not happen
                 raise GrammarError(str(e)) from None
         except GrammarError as e:
@@ -893,6 +979,33 @@ class LoraHandler:
         self.metrics.tokens_in_flight.set(st.tokens_in_flight)
         self.metrics.kv_cache_usage_perc.set(st.kv_cache_usage)
         self.metrics.decode_attention_paged.set(1 if st.attention == "paged" else 0)
+
+
+@dataclass
+class _TenantLoad:
+    """What each tenant holds of `admit`'s two bounds (`LoraHandler._tenant_load`)."""
+
+    waiting: collections.Counter  # tenant -> requests/rows waiting (adapter, batch place)
+    tokens: collections.Counter  # tenant -> queued tokens of work (estimate)
+
+
+class _SharedCompile:
+    """One tenant's compile of one grammar, shared by that tenant's identical concurrent requests."""
+
+    __slots__ = ("task", "requests")
+
+    def __init__(self, task: asyncio.Future):
+        self.task = task
+        self.requests = 0  # requests awaiting it: at 0 (all went away) it is cancelled
+
+
+def _prompt_too_long(kind: str, max_ctx: int, n_prompt: int, at_least: bool = False) -> oai.OpenAIError:
+    """400 context_length_exceeded for a prompt of `n_prompt` tokens (`at_least`: a lower bound, the
+    prompt was refused before it was tokenized whole)."""
+    return oai.bad_request(
+        f"This model's maximum context length is {max_ctx} tokens. However, your prompt has "
+        f"{'at least ' if at_least else ''}{n_prompt} tokens.", param="messages" if kind == "chat" else "prompt",
+        code="context_length_exceeded")
 
 
 def _job_key(job: dict) -> tuple[bytes, str]:

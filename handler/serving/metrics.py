@@ -14,6 +14,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from handler.engine.fairness import QUEUE_BUCKETS
+
 try:  # no `_created` series: they double the exposition size and nothing here reads them
     from prometheus_client import disable_created_metrics
 
@@ -164,6 +166,94 @@ class PrefixCacheCollector(_EngineStatsCollector):
             yield m
 
 
+TENANT_NONE, TENANT_OTHER = "_none", "_other"  # labels no tenant id can take (ids start with [a-z0-9])
+
+
+def tenant_label(tenant) -> str:
+    return TENANT_NONE if tenant is None else str(tenant)
+
+
+class TenantCollector(_EngineStatsCollector):
+    """Fair scheduling per tenant (handler.engine.fairness), read at scrape time: tokens served,
+    admission waits, preemptions, and the fairness state of the active tenants.
+
+    Label cardinality is bounded: `tenant` takes at most NAMED_TENANTS (32) values for the tenants
+    served the most recently (the engine's `TenantLedger`: a newcomer displaces a named tenant only
+    when served over twice as much recently; "_none" for requests without a tenant) plus "_other"
+    (every other tenant, summed; a displaced tenant's totals join it, so every counter stays
+    monotonic): at most 33 series per metric (x 2 reasons for preemptions, x 15 buckets for the
+    queue-time histogram)."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        engine = getattr(self._handler, "engine", None)
+        if engine is None or not hasattr(engine, "tenant_stats"):
+            return
+        st, rep = engine.stats(), engine.tenant_stats()
+        usage = [(tenant_label(t), u) for t, u in rep.named.items()] + [(TENANT_OTHER, rep.other)]
+        prompt = CounterMetricFamily("lorafarm_tenant_prompt_tokens", "Prompt tokens prefilled per tenant (not prefix "
+                                     "cache hits, not recompute).", labels=["tenant"])
+        gen = CounterMetricFamily("lorafarm_tenant_generation_tokens", "Tokens generated per tenant.", labels=["tenant"])
+        queue = HistogramMetricFamily("lorafarm_tenant_queue_time_seconds", "Engine admission wait per tenant "
+                                      "(queued until first admitted to the batch).", labels=["tenant"])
+        pre = CounterMetricFamily("lorafarm_tenant_preemptions", "Requests of a tenant preempted (recompute), by "
+                                  "reason: kv (the KV cache ran out), share (another tenant waited below its share "
+                                  "of rows).", labels=["tenant", "reason"])
+        for label, u in usage:
+            prompt.add_metric([label], u.prompt_tokens)
+            gen.add_metric([label], u.generated_tokens)
+            cum, buckets = 0, []
+            for bound, n in zip(QUEUE_BUCKETS, u.queue_buckets):
+                cum += n
+                buckets.append((_bucket(bound), cum))
+            buckets.append(("+Inf", u.queue_count))
+            queue.add_metric([label], buckets, u.queue_seconds)
+            for reason in ("kv", "share"):
+                pre.add_metric([label, reason], u.preempted.get(reason, 0))
+        yield from (prompt, gen, queue, pre)
+        total = CounterMetricFamily("lorafarm_preemptions", "Requests preempted (recompute), by reason.",
+                                    labels=["reason"])
+        total.add_metric(["kv"], st.preemptions_kv)
+        total.add_metric(["share"], st.preemptions_share)
+        yield total
+        counter = GaugeMetricFamily("lorafarm_tenant_fair_counter", "Fairness counter (weighted prompt + decode "
+                                    "tokens served / weight) of each active named tenant.", labels=["tenant"])
+        rows = GaugeMetricFamily("lorafarm_tenant_rows", "Batch rows held per active tenant.", labels=["tenant"])
+        share = GaugeMetricFamily("lorafarm_tenant_rows_share", "Batch rows an active tenant is entitled to "
+                                  "(max_batch split by weight among active tenants).", labels=["tenant"])
+        waiting = GaugeMetricFamily("lorafarm_tenant_waiting", "Requests waiting for a row per active tenant.",
+                                    labels=["tenant"])
+        agg = {"rows": 0, "share": 0.0, "waiting": 0}
+        others = False
+        for a in rep.active:
+            if a.client in rep.named:
+                label = tenant_label(a.client)
+                counter.add_metric([label], a.counter)
+                rows.add_metric([label], a.held)
+                share.add_metric([label], a.share)
+                waiting.add_metric([label], a.waiting)
+            else:
+                others = True
+                agg["rows"] += a.held
+                agg["share"] += a.share
+                agg["waiting"] += a.waiting
+        if others:
+            rows.add_metric([TENANT_OTHER], agg["rows"])
+            share.add_metric([TENANT_OTHER], agg["share"])
+            waiting.add_metric([TENANT_OTHER], agg["waiting"])
+        active = GaugeMetricFamily("lorafarm_fair_tenants_active", "Tenants with requests waiting or in the batch.")
+        active.add_metric([], len(rep.active))
+        spread = GaugeMetricFamily("lorafarm_fair_counter_spread", "Largest minus least fairness counter among "
+                                   "the active tenants (VTC keeps it bounded for backlogged tenants).")
+        spread.add_metric([], (rep.active[-1].counter - rep.active[0].counter) if rep.active else 0.0)
+        yield from (counter, rows, share, waiting, active, spread)
+
+
+def _bucket(bound: float) -> str:
+    return repr(float(bound))
+
+
 class ReplicaMetrics:
     """Every collector the replica exports. Labels: `tier` is where the request's adapter was when the
     request arrived (gpu | ram | disk | remote, `gpu` for base-model requests)."""
@@ -279,6 +369,12 @@ class ReplicaMetrics:
         if not getattr(self, "_prefix_watched", False):
             self.registry.register(PrefixCacheCollector(handler, self.vllm.model_name))
             self._prefix_watched = True
+
+    def watch_tenants(self, handler) -> None:
+        """Export the engine's per-tenant fair scheduling counters (read at each scrape)."""
+        if not getattr(self, "_tenants_watched", False):
+            self.registry.register(TenantCollector(handler, self.vllm.model_name))
+            self._tenants_watched = True
 
     def watch_speculation(self, handler) -> None:
         """Export the engine's speculative decoding counters (read at each scrape)."""

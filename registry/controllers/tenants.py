@@ -68,12 +68,13 @@ class TenantController(Controller):
             async with ctx.db.write() as session:
                 if await session.get(Tenant, data.name) is not None:
                     raise ApiError(409, f"tenant {data.name!r} already exists", code="tenant_exists", param="name")
-                session.add(Tenant(tenant_id=data.name, requests_per_s=data.requests_per_s, tokens_per_s=data.tokens_per_s))
+                session.add(Tenant(tenant_id=data.name, requests_per_s=data.requests_per_s, tokens_per_s=data.tokens_per_s,
+                                   weight=data.weight))
                 await session.flush()
                 key, api_key = new_key(data.name)
                 session.add(key)
                 audit.record(session, request, "tenant.create", "tenant", data.name, key_id=key.key_id,
-                             requests_per_s=data.requests_per_s, tokens_per_s=data.tokens_per_s)
+                             requests_per_s=data.requests_per_s, tokens_per_s=data.tokens_per_s, weight=data.weight)
         except IntegrityError:
             raise ApiError(409, f"tenant {data.name!r} already exists", code="tenant_exists", param="name") from None
         return TenantCreated(tenant_id=data.name, api_key=api_key, key_id=key.key_id)
@@ -84,16 +85,16 @@ class TenantController(Controller):
             rows = (await session.execute(select(Tenant).order_by(Tenant.tenant_id))).scalars().all()
         return [
             TenantOut(tenant_id=t.tenant_id, requests_per_s=t.requests_per_s, tokens_per_s=t.tokens_per_s,
-                      created_at=as_utc(t.created_at))
+                      weight=t.weight, created_at=as_utc(t.created_at))
             for t in rows
         ]
 
-    @patch("/{tenant_id:str}", responses=errors(404), summary="Change a tenant's rate limits (null: unlimited)")
+    @patch("/{tenant_id:str}", responses=errors(404), summary="Change a tenant's rate limits (null: unlimited) or fair-scheduling weight (null: 1)")
     async def set_limits(self, ctx: RegistryContext, request: Request, data: TenantLimits,
                          tenant_id: str = TenantId) -> TenantOut:
         changes = {f: getattr(data, f) for f in data.model_fields_set}
         if not changes:
-            raise ApiError(400, "send requests_per_s and/or tokens_per_s", code="validation_error")
+            raise ApiError(400, "send requests_per_s, tokens_per_s and/or weight", code="validation_error")
         async with ctx.db.write() as session:
             t = await _tenant(session, tenant_id)
             before = {f: getattr(t, f) for f in changes}
@@ -102,7 +103,7 @@ class TenantController(Controller):
             audit.record(session, request, "tenant.set_limits", "tenant", tenant_id, before=before, after=changes)
             await ctx.db.bump(session)  # routers re-read the tenant's limits (auth cache) at their next poll
             out = TenantOut(tenant_id=t.tenant_id, requests_per_s=t.requests_per_s, tokens_per_s=t.tokens_per_s,
-                            created_at=as_utc(t.created_at))
+                            weight=t.weight, created_at=as_utc(t.created_at))
         return out
 
     @post("/{tenant_id:str}/keys", status_code=201, responses=errors(404), summary="Create an API key (shown once)")
@@ -141,6 +142,8 @@ class TenantController(Controller):
             audit.record(session, request, "key.rotate", "key", key.key_id, tenant_id=tenant_id, revoked=revoked)
             if revoked:
                 await ctx.db.bump(session)  # routers drop revoked keys from their auth caches at their next poll
+        if revoked:  # read-your-writes, as for alias deploys: every router refuses the old keys when this returns
+            await ctx.wait_for_routers()
         return KeyRotated(key_id=key.key_id, api_key=api_key, revoked_key_ids=revoked)
 
     @get("/{tenant_id:str}/keys", responses=errors(404), summary="List a tenant's keys (prefixes only)")
@@ -164,10 +167,13 @@ class TenantController(Controller):
             key = await session.get(ApiKey, key_id)
             if key is None or key.tenant_id != tenant_id:
                 raise ApiError(404, f"tenant {tenant_id!r} has no key {key_id!r}", code="key_not_found")
-            if key.revoked_at is None:
+            newly = key.revoked_at is None
+            if newly:
                 key.revoked_at = utcnow()
                 audit.record(session, request, "key.revoke", "key", key_id, tenant_id=tenant_id)
                 await ctx.db.bump(session)  # routers drop the key from their auth caches at their next poll
+        if newly:  # read-your-writes, as for alias deploys: every router refuses the key when this returns
+            await ctx.wait_for_routers()
 
 
 class AuthController(Controller):
@@ -191,5 +197,5 @@ class AuthController(Controller):
         key, tenant = row
         return VerifyResult(
             tenant_id=tenant.tenant_id, key_id=key.key_id,
-            requests_per_s=tenant.requests_per_s, tokens_per_s=tenant.tokens_per_s,
+            requests_per_s=tenant.requests_per_s, tokens_per_s=tenant.tokens_per_s, weight=tenant.weight,
         )

@@ -101,3 +101,53 @@ def test_hpa_scale_up_window_takes_the_lowest_recent_recommendation():
     assert h.desired(0, 10, {"q": (2.0, 2.0)}) == 10
     assert h.desired(15, 10, {"q": (4.0, 2.0)}) == 10  # 20 wanted, but 10 was recommended 15 s ago
     assert h.desired(75, 10, {"q": (4.0, 2.0)}) == 20  # the low one left the window
+
+
+# ------------------------------------------------------------------ fair share by tenant (issue 35)
+
+# one replica (every tenant's requests meet in its batch), four victim tenants at ~5 rows of work
+# together, and a hostile tenant sending n=16 x 600-token requests at 0.5/s: 240 rows of work wanted
+# on 32 rows, a backlog that grows for the whole run
+HOSTILE = dict(replicas=1, adapters=40, rate=2.0, duration=120.0, warmup_s=20.0, slots=50, ram_adapters=60,
+               prompt_tokens=200.0, output_tokens=50.0, tenants=4, hostile_rate=0.5)
+
+
+def test_the_engines_fairness_policy_bounds_the_victims_ttft_under_a_hostile_tenant():
+    """The replica model admits to its batch with handler.engine.fairness.FairPolicy: fair, the
+    victims' TTFT stays what it is without the attacker (a step or two) and every victim request
+    finishes; fifo, the victims queue behind the attacker's backlog. The attacker keeps the rows the
+    victims leave (work conservation)."""
+    calm = simulate(SimConfig(**{**HOSTILE, "hostile_rate": 0.0}))
+    fair = simulate(SimConfig(**HOSTILE, scheduling="fair"))
+    fifo = simulate(SimConfig(**HOSTILE, scheduling="fifo"))
+    base = calm.tenants["victims"]
+    v_fair, v_fifo = fair.tenants["victims"], fifo.tenants["victims"]
+    assert v_fair["unfinished"] == 0 and v_fair["rows"] == base["rows"]
+    assert v_fair["p95_ttft_s"] <= 2 * base["p95_ttft_s"]
+    assert v_fair["max_ttft_s"] < 1.0  # bounded: a few 50 ms steps, whatever the attacker's backlog
+    assert fair.preemptions > 0  # the victims took rows from the attacker (share preemption)
+    assert v_fifo["p95_ttft_s"] > 50 * v_fair["p95_ttft_s"] and v_fifo["unfinished"] > 0
+    assert fifo.preemptions == 0
+    hostile = fair.tenants["hostile"]["output_tokens_per_s"]
+    assert hostile > 0.5 * fifo.tenants["hostile"]["output_tokens_per_s"]  # it still gets the idle rows
+
+
+def test_without_tenants_fair_and_fifo_make_the_same_choices():
+    """One anonymous tenant: the policy's guarantee (fair == fifo), so results without tenants are
+    those of the simulator before the policy was wired in."""
+    a = simulate(SimConfig(**SMALL, scheduling="fair"))
+    b = simulate(SimConfig(**SMALL, scheduling="fifo"))
+    assert a.tenants is None and a.preemptions == 0
+    assert (a.p95_ttft_s, a.p50_ttft_s, a.requests, a.output_tokens_per_s) == \
+        (b.p95_ttft_s, b.p50_ttft_s, b.requests, b.output_tokens_per_s)
+
+
+def test_cli_tenants_and_hostile_tenant(capsys):
+    assert main(["simulate", "--replicas", "1", "--adapters", "20", "--rate", "1", "--duration", "40",
+                 "--warmup", "10", "--slots", "10", "--tenants", "2", "--hostile-rate", "0.2",
+                 "--scheduling", "fair", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"t0", "t1", "hostile", "victims"} <= set(last["tenants"])
+    assert last["tenants"]["victims"]["rows"] == last["tenants"]["t0"]["rows"] + last["tenants"]["t1"]["rows"]
+    assert last["preemptions"] >= 0
+    assert main(["simulate", "--hostile-rate", "1", "--hostile-n", "0", "--json"]) == 2

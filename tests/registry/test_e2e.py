@@ -33,7 +33,8 @@ async def test_upload_alias_deploy_rollback(store_settings, canaries, tmp_path, 
             created = await reg.create_tenant(tenant, requests_per_s=5, tokens_per_s=1000)
             assert created["tenant_id"] == tenant and created["api_key"].startswith("lf-")
             ok = await reg.verify_api_key(created["api_key"])
-            assert ok == {"tenant_id": tenant, "key_id": created["key_id"], "requests_per_s": 5.0, "tokens_per_s": 1000.0}
+            assert ok == {"tenant_id": tenant, "key_id": created["key_id"], "requests_per_s": 5.0, "tokens_per_s": 1000.0,
+                          "weight": None}
 
             first = await reg.upload_adapter(canaries / "c0000", tenant, alias=alias)
             assert first["adapter_id"].startswith("ad-") and first["alias"] == alias and first["created"]

@@ -223,7 +223,9 @@ class FakeReplica:
             if tier:
                 rep._to_gpu(model)
             rep.requests.append({"model": model, "tier": tier, "at": time.monotonic(), "stream": body.get("stream"),
-                                 "echo": request.headers.get("x-lorafarm-model-name")})
+                                 "echo": request.headers.get("x-lorafarm-model-name"),
+                                 "tenant": request.headers.get("x-lorafarm-tenant"),
+                                 "weight": request.headers.get("x-lorafarm-tenant-weight")})
             max_tokens = int(body.get("max_tokens") or 16)
             headers = {"x-replica": rep.replica_id}
             if tier:

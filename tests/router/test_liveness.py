@@ -56,6 +56,11 @@ async def test_poison_request_kills_at_most_two_replicas_then_is_refused(caplog)
             r = await _chat(http, farm, key, POISON, headers={"x-request-id": "poison-1"})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["code"] == "poison_request"
+            died = sorted(rep.replica_id for rep in reps if rep.hits)
+            # the message says what was seen: the two replicas by name, and no completion since
+            assert f"in flight when replicas {died[0]} and {died[1]} died" in r.json()["error"]["message"] or \
+                f"in flight when replicas {died[1]} and {died[0]} died" in r.json()["error"]["message"]
+            assert "has not completed on any replica since" in r.json()["error"]["message"]
             assert int(r.headers["retry-after"]) > 0
             hit = [rep for rep in reps if rep.hits]
             assert len(hit) == 2 and all(rep.dead.is_set() and len(rep.hits) == 1 for rep in hit)
@@ -122,6 +127,34 @@ async def test_innocent_request_on_a_killed_replica_is_retried_once_and_served()
             assert r2.status_code == 200
         assert _count(farm, "lorafarm_router_replica_deaths_total", phase="before_first_byte") == 1
         assert _count(farm, "lorafarm_router_poison_requests_total", outcome="refused") == 0
+        assert len(farm.core.proxy.guard) == 0  # it completed on the next replica: its death is forgotten
+
+
+async def test_two_replicas_crash_with_a_popular_body_that_completes_elsewhere_it_is_not_refused():
+    """Issue 35 item 5: one crash each of two replicas, with the same body in flight each time; the
+    body completes on another replica after each crash, so it is never refused (before: two deaths,
+    refused for ten minutes). Three stand-in replicas: d0 dies, then d1 dies."""
+    async with router_farm(replicas=()) as farm:
+        key = farm.registry.add_tenant("acme")
+        reps = await _dying_farm(farm, 3)
+        async with httpx.AsyncClient(timeout=20) as http:
+            for victim in range(2):
+                live = [rep for rep in reps if not rep.dead.is_set()]
+                kills = {"n": 1}  # whichever live replica gets it first dies with it in flight
+                for rep in live:
+                    rep.kills = kills
+                r = await _chat(http, farm, key, MSG)
+                assert r.status_code == 200, r.text
+                assert kills["n"] == 0 and sum(rep.dead.is_set() for rep in reps) == victim + 1
+                for rep in reps:
+                    rep.kills = None
+                await wait_for(lambda: sum(farm.core.view.is_responsive(rep.replica_id) for rep in reps)
+                               == 2 - victim, 10)
+            r = await _chat(http, farm, key, MSG)
+            assert r.status_code == 200, r.text
+        assert _count(farm, "lorafarm_router_replica_deaths_total", phase="before_first_byte") == 2
+        assert _count(farm, "lorafarm_router_poison_requests_total", outcome="refused") == 0
+        assert _count(farm, "lorafarm_router_poison_requests_total", outcome="stopped") == 0
 
 
 async def test_one_replica_death_with_copies_of_a_body_in_flight_is_one_death():
@@ -297,7 +330,7 @@ def test_router_flags_pass_through_lorafarm_up_and_parse_as_router_flags():
     assert (args.non_stream_timeout, args.max_request_timeout, args.poison_threshold) == (120.0, 900.0, 3)
 
 
-def test_poison_guard_counts_deaths_per_fingerprint_and_forgets_after_the_cooloff():
+def test_poison_guard_counts_distinct_replicas_per_fingerprint_and_forgets_after_the_cooloff():
     from router.poison import PoisonGuard, fingerprint
 
     now = [0.0]
@@ -306,19 +339,75 @@ def test_poison_guard_counts_deaths_per_fingerprint_and_forgets_after_the_coolof
     fp = fingerprint("acme", "chat", body)
     assert fp == fingerprint("acme", "chat", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert fp != fingerprint("other", "chat", body) and fp != fingerprint("acme", "completions", body)
-    assert g.record_death(fp) == 1 and g.refused_for(fp) == 0.0
+    assert g.record_death(fp, "r0") == 1 and g.refused_for(fp) == 0.0
     now[0] = 5.0
-    assert g.record_death(fp) == 2 and g.refused_for(fp) == 10.0
+    assert g.record_death(fp, "r1") == 2 and g.refused_for(fp) == 10.0
     now[0] = 14.0
     assert 0 < g.refused_for(fp) <= 1.0
     now[0] = 15.5
     assert g.refused_for(fp) == 0.0 and g.deaths(fp) == 0  # cooled off: forgotten
     for i in range(5):  # bounded: the oldest fingerprints go first
-        g.record_death(f"fp{i}")
+        g.record_death(f"fp{i}", "r0")
     assert len(g) == 3 and g.deaths("fp0") == 0 and g.deaths("fp4") == 1
-    # one death named by every request that was in flight on it counts once; another death counts
-    assert g.record_death("x", ("r0", 1)) == 1 and g.record_death("x", ("r0", 1)) == 1
-    assert g.record_death("x", ("r0", 2)) == 2 and g.refused_for("x") == 10.0
+    # one death named by every request that was in flight on it counts once; so does another death
+    # of the same replica (a crash loop): only another replica makes a second
+    assert g.record_death("x", "r0", ("r0", 1)) == 1 and g.record_death("x", "r0", ("r0", 1)) == 1
+    assert g.record_death("x", "r0", ("r0", 2)) == 1 and g.refused_for("x") == 0.0
+    assert g.record_death("x", "r1", ("r1", 1)) == 2 and g.refused_for("x") == 10.0
+    assert g.describe("x") == "replicas r0 (twice) and r1"
+
+
+def test_a_crash_loop_of_one_replica_never_makes_a_body_poison():
+    """Item 5 of issue 35: one replica SIGKILLed, restarted and killed again (three times, minutes
+    apart) with a popular body in flight each time: it is one replica, never poison."""
+    from router.poison import PoisonGuard, fingerprint
+
+    now = [0.0]
+    g = PoisonGuard(threshold=2, cooloff=600.0, clock=lambda: now[0])
+    fp = fingerprint("acme", "chat", {"model": "m", "messages": [{"role": "user", "content": "Reset my password"}]})
+    for death in range(1, 4):
+        now[0] += 49.0
+        assert g.record_death(fp, "r0", ("r0", death)) == 1
+        assert g.refused_for(fp) == 0.0
+    assert g.replicas(fp) == {"r0": 3}
+
+
+def test_a_body_that_completes_anywhere_is_cleared():
+    """One crash each of two replicas with a popular body in flight, the body completing elsewhere
+    between them: its deaths are forgotten at each completion, so it is never refused; a body that
+    never completes (the killer) is refused at the second distinct replica, and a completion (a copy
+    already in flight elsewhere) clears even a refusal."""
+    from router.poison import PoisonGuard
+
+    g = PoisonGuard(threshold=2)
+    assert g.record_death("popular", "r0") == 1
+    assert g.completed("popular") and g.deaths("popular") == 0
+    assert g.record_death("popular", "r1") == 1 and g.refused_for("popular") == 0.0
+    assert not g.completed("never-died")
+    assert g.record_death("killer", "r0") == 1 and g.record_death("killer", "r1") == 2
+    assert g.refused_for("killer") > 0 and g.describe("killer") == "replicas r0 and r1"
+    assert g.completed("killer") and g.refused_for("killer") == 0.0
+
+
+def test_the_canary_probes_fixed_bodies_are_not_poison_after_ordinary_crashes():
+    """The probe sends the same few bodies all day (lorafarm/probe.py): a crash loop of one replica
+    and then an unrelated crash of another, each with a probe body in flight and probes completing
+    in between, never refuse it."""
+    from lorafarm.probe import ProbeConfig, probe_body
+    from router.poison import PoisonGuard, fingerprint
+
+    cfg = ProbeConfig(router_url="http://router", api_key="k", targets={"probe/c0:prod": "<<c0000>>"})
+    fp = fingerprint("probe", "chat", probe_body(cfg, "probe/c0:prod", "hello"))
+    now = [0.0]
+    g = PoisonGuard(threshold=2, clock=lambda: now[0])
+    for death in range(1, 4):  # r0 crash-loops: its deaths are one replica
+        now[0] += 30.0
+        g.record_death(fp, "r0", ("r0", death))
+        assert g.refused_for(fp) == 0.0
+    g.completed(fp)  # the next probe answered, on r1
+    now[0] += 30.0
+    g.record_death(fp, "r1", ("r1", 1))
+    assert g.refused_for(fp) == 0.0 and g.replicas(fp) == {"r1": 1}
 
 
 async def test_upstream_connections_expire_before_a_replica_closes_them():
@@ -330,3 +419,26 @@ async def test_upstream_connections_expire_before_a_replica_closes_them():
     async with make_http_client(8, httpx.Timeout(5.0)) as client:
         pool = client._transport._pool  # noqa: SLF001 - the setting under test
         assert pool._keepalive_expiry == UPSTREAM_KEEPALIVE_S < ClientLimits().keep_alive_timeout  # noqa: SLF001
+
+
+def test_the_test_only_killer_body_kills_only_where_its_env_is_set():
+    """lorafarm/openai_schemas.py's test fault: a process that parses a body holding the marker of
+    LORAFARM_TEST_KILLER_BODY SIGKILLs itself (as a body that crashes the engine would); without the
+    env (production) the marker is plain text."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lorafarm.openai_schemas import TEST_KILLER_ENV
+
+    marker = "lorafarm-test-killer-body-unit"
+    code = ("import json; from lorafarm import openai_schemas as o; "
+            f"o.parse_request(o.ChatCompletionRequest, json.dumps({{'model': 'm', 'messages': "
+            f"[{{'role': 'user', 'content': 'x {marker} y'}}]}}).encode()); print('alive')")
+    env = {k: v for k, v in os.environ.items() if k != TEST_KILLER_ENV}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert off.returncode == 0 and "alive" in off.stdout, off.stderr
+    on = subprocess.run([sys.executable, "-c", code], env={**env, TEST_KILLER_ENV: marker}, capture_output=True,
+                        text=True, timeout=60)
+    assert on.returncode == -signal.SIGKILL and "alive" not in on.stdout

@@ -183,9 +183,13 @@ class _Clock:
         return self.t
 
 
-async def test_registry_down_a_cached_key_works_at_most_ttl_plus_grace():
+async def test_registry_outage_verified_keys_serve_for_the_stated_bound_new_keys_get_503():
+    """Issue 35 item 7, the one rule (docs/operations.md): a key this router verified keeps serving
+    through a registry outage while the router heard from the registry within `auth_stale_grace`
+    (300 s) - whatever the key's TTL (30 s) says; a key it never verified gets 503 auth_unavailable
+    from the start; past the bound every key does."""
     s = RouterSettings(registry_url="http://x")
-    assert (s.auth_ttl, s.auth_stale_grace) == (30.0, 30.0)  # docs/operations.md: 30 s + 30 s
+    assert (s.auth_ttl, s.auth_stale_grace) == (30.0, 300.0)  # docs/operations.md: 300 s
     clock = _Clock()
     down = {"v": False}
 
@@ -196,10 +200,16 @@ async def test_registry_down_a_cached_key_works_at_most_ttl_plus_grace():
 
     cache = AuthCache(verify, ttl=s.auth_ttl, stale_grace=s.auth_stale_grace, clock=clock)
     await cache.tenant_for("sk-1")
-    down["v"] = True  # the key may have been revoked meanwhile: the router cannot know
-    clock.t += 59.0
-    assert (await cache.tenant_for("sk-1")).tenant_id == "acme"
-    clock.t += 2.0  # 61 s after the last verification: refused (503), never served on a stale answer
+    clock.t += 25.0
+    cache.registry_answered()  # the last routing poll that got through
+    down["v"] = True
+    cache.registry_failed()  # the next one failed: the outage begins
+    with pytest.raises(AuthUnavailable):  # never verified by this router: 503 from the start
+        await cache.tenant_for("sk-new")
+    for _ in range(29):  # 290 s of outage, the key's TTL long expired: it serves throughout
+        clock.t += 10.0
+        assert (await cache.tenant_for("sk-1")).tenant_id == "acme"
+    clock.t += 11.0  # 301 s since the registry last answered: 503, never served on an older answer
     with pytest.raises(AuthUnavailable):
         await cache.tenant_for("sk-1")
 

@@ -172,8 +172,10 @@ async def test_auth_cache_ttl_negative_cache_and_single_flight():
 async def test_auth_cache_registry_down():
     clock = Clock()
     state = {"down": False}
+    calls = []
 
     async def verify(key):
+        calls.append(key)
         if state["down"]:
             raise ConnectionError("registry down")
         return {"tenant_id": "acme"}
@@ -183,11 +185,30 @@ async def test_auth_cache_registry_down():
     state["down"] = True
     clock.t += 50  # expired, registry down, within grace: the cached tenant still works
     assert (await cache.tenant_for("k")).tenant_id == "acme"
-    clock.t += 200
+    assert cache.registry_down and len(calls) == 2
+    clock.t += 40  # known down: served from the cache without a registry call on the request path
+    assert (await cache.tenant_for("k")).tenant_id == "acme" and len(calls) == 2
+    clock.t += 20  # 110 s since the registry last answered: 503
     with pytest.raises(AuthUnavailable):
         await cache.tenant_for("k")
     with pytest.raises(AuthUnavailable):  # never-seen key: 503, not a 401 it did not earn
         await cache.tenant_for("other")
+    state["down"] = False
+    cache.registry_answered()  # the routing poll got through again: keys are checked again
+    assert (await cache.tenant_for("k")).tenant_id == "acme" and len(calls) == 4
+
+
+async def test_auth_cache_never_caches_a_key_the_table_lists_as_revoked():
+    """A verification that raced the revocation (answered valid, arriving after the routing table
+    that revokes the key was applied) is not cached: the key is refused."""
+    async def verify(key):
+        return {"tenant_id": "acme", "key_id": "k1"}
+
+    cache = AuthCache(verify, ttl=30, clock=Clock())
+    assert (await cache.tenant_for("sk-1")).key_id == "k1"
+    assert cache.revoke_key_ids(["k1"]) == 1
+    with pytest.raises(InvalidApiKey):
+        await cache.tenant_for("sk-1")
 
 
 # -- catalog ------------------------------------------------------------------------------------

@@ -1,0 +1,250 @@
+"""Fair scheduling in the engine (issue 35, item 1), on the dev model, by steps and order (never by
+time): a tenant's n=16 requests no longer hold the batch against another tenant's short ones, the
+attacker still progresses, greedy output is unchanged, one tenant alone is served exactly as first
+come first served, weights split the rows, a deferred prefix block never blocks another tenant, and
+a full KV cache preempts the tenant over its share."""
+
+from __future__ import annotations
+
+import pytest
+
+from handler.engine.engine import Engine, SamplingParams, TokenEvent
+from lorafarm.dev.adapters import random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PER_TOKEN = 2 * 4 * 2 * 32 * 4  # bytes of K and V per token of the tiny dev model, float32
+
+
+def chat_ids(tok, prompt: str) -> list[int]:
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+class Steps:
+    """Every event with the engine step that produced it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokens: dict[str, list[int]] = {}
+        self.first: dict[str, int] = {}  # request -> step of its first token
+        self.done: dict[str, int] = {}  # request -> step of its final event
+        self.reason: dict[str, str] = {}
+        self.per_step: dict[int, dict[str, int]] = {}  # step -> request prefix -> tokens
+
+    def __call__(self, ev: TokenEvent) -> None:
+        step = self.engine.scheduler.steps
+        if ev.token_id is not None:
+            self.tokens.setdefault(ev.request_id, []).append(ev.token_id)
+            self.first.setdefault(ev.request_id, step)
+            bucket = self.per_step.setdefault(step, {})
+            bucket[ev.request_id[0]] = bucket.get(ev.request_id[0], 0) + 1
+        if ev.finished:
+            self.done[ev.request_id] = step
+            self.reason[ev.request_id] = ev.finish_reason
+
+
+def drain(engine: Engine, limit: int = 20_000) -> int:
+    n = 0
+    while engine.step():
+        n += 1
+        assert n < limit
+    return n
+
+
+@pytest.fixture(scope="module")
+def tok_engine(dev_model):
+    return Engine(dev_model, device="cpu", kv_cache_bytes=1 << 20, max_batch=2, rank_pools={})
+
+
+@pytest.fixture(scope="module")
+def prompts(tok_engine):
+    return [chat_ids(tok_engine.tokenizer, p) for p in random_prompts(seed=35, count=40)]
+
+
+ATTACK = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def run_attack(dev_model, prompts, scheduling: str):
+    """Four requests of n=16 (64 engine requests, 600 tokens each) fill the batch of 32 rows; then
+    another tenant sends 4 short requests. Returns (engine, steps, the step the victim arrived)."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=64 << 20, max_batch=32, rank_pools={},
+               scheduling=scheduling)
+    col = Steps(e)
+    for j in range(4):
+        for i in range(16):
+            e.add_request(f"a{j}.{i}", prompts[j], ATTACK, None, col, cache_salt="attacker")
+    for _ in range(3):
+        e.step()
+    assert e.stats().running == 32 and e.stats().waiting == 32
+    arrived = e.scheduler.steps
+    for i in range(4):
+        e.add_request(f"v{i}", prompts[10 + i], SHORT, None, col, tenant="victim")
+    drain(e)
+    return e, col, arrived
+
+
+@pytest.fixture(scope="module")
+def attack_runs(dev_model, prompts):
+    return {s: run_attack(dev_model, prompts, s) for s in ("fair", "fifo")}
+
+
+def test_victim_admitted_at_once_while_the_attacker_holds_the_batch(attack_runs):
+    e, col, arrived = attack_runs["fair"]
+    victims = [f"v{i}" for i in range(4)]
+    # every victim request gets its first token in the very next step, and ends 15 steps later
+    assert [col.first[v] - arrived for v in victims] == [1, 1, 1, 1]
+    assert [col.done[v] - arrived for v in victims] == [16, 16, 16, 16]
+    # by taking 4 rows from the attacker (over its share of 16), never more, and no KV preemption
+    st = e.stats()
+    assert st.preemptions_share == 4 and st.preemptions_kv == 0 and st.preemptions == 4
+    # the attacker still progresses: 28 rows decode in every step the victims run, and every one of
+    # its 64 choices ends with its 600 tokens
+    for step in range(arrived + 1, arrived + 17):
+        assert col.per_step[step].get("a", 0) >= 28, step
+        assert col.per_step[step].get("v", 0) == 4, step
+    attackers = [r for r in col.tokens if r.startswith("a")]
+    assert len(attackers) == 64 and all(len(col.tokens[r]) == 600 for r in attackers)
+    assert all(col.reason[r] == "length" for r in col.reason)
+    # what the engine reports per tenant
+    rep = e.tenant_stats()
+    assert rep.named["victim"].generated_tokens == 64 and rep.named["attacker"].generated_tokens == 64 * 600
+    assert rep.named["attacker"].preempted == {"kv": 0, "share": 4}
+    assert rep.named["victim"].queue_count == 4 and rep.named["attacker"].queue_count == 64
+    assert rep.active == [] and e.stats().tenants_active == 0
+
+
+def test_fifo_makes_the_victim_wait_for_the_attacker(attack_runs):
+    e, col, arrived = attack_runs["fifo"]
+    # first come, first served: the victims wait behind the attacker's 32 queued choices, which wait
+    # for 600-token rows to end
+    assert all(col.first[f"v{i}"] - arrived >= 590 for i in range(4))
+    assert e.stats().preemptions == 0
+
+
+def test_fair_greedy_outputs_equal_fifo(attack_runs):
+    fair, fifo = attack_runs["fair"][1], attack_runs["fifo"][1]
+    assert set(fair.tokens) == set(fifo.tokens) and len(fair.tokens) == 68
+    for rid in fifo.tokens:
+        assert fair.tokens[rid] == fifo.tokens[rid], rid
+
+
+def run_alone(dev_model, prompts, scheduling: str, tenant):
+    """One tenant: 40 requests on 16 rows and a KV cache that cannot hold them (KV preemption), with
+    the prefix cache and bursts on one system prompt (deferred admissions)."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=96 * 16 * PER_TOKEN, max_batch=16, rank_pools={},
+               scheduling=scheduling, prefix_cache=True)
+    col = Steps(e)
+    system = prompts[20][:40]
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    for i in range(24):
+        e.add_request(f"s{i}", system + prompts[i % 8][-12:], params, None, col, cache_salt=tenant)
+    e.step()
+    for i in range(24, 40):
+        e.add_request(f"s{i}", prompts[i % 16], params, None, col, cache_salt=tenant)
+    steps = drain(e) + 1
+    return e, col, steps
+
+
+@pytest.mark.parametrize("tenant", [None, "solo"])
+def test_one_tenant_alone_is_served_exactly_as_fifo(dev_model, prompts, tenant):
+    fair_e, fair, fair_steps = run_alone(dev_model, prompts, "fair", tenant)
+    fifo_e, fifo, fifo_steps = run_alone(dev_model, prompts, "fifo", tenant)
+    assert fair_steps == fifo_steps
+    a, b = fair_e.stats(), fifo_e.stats()
+    assert a.preemptions_kv == b.preemptions_kv > 0 and a.preemptions_share == 0
+    assert a.prefix_cache_deferred == b.prefix_cache_deferred > 0
+    assert a.prefix_cache_hits == b.prefix_cache_hits
+    assert fair.tokens == fifo.tokens and fair.first == fifo.first and fair.done == fifo.done
+
+
+def test_weights_split_the_rows(dev_model, prompts):
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=16, rank_pools={})
+    col = Steps(e)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(20):
+        e.add_request(f"a{i}", prompts[i], params, None, col, tenant="heavy", weight=3.0)
+        e.add_request(f"b{i}", prompts[i], params, None, col, tenant="light", weight=1.0)
+    e.step()
+    held = {a.client: a.held for a in e.tenant_stats().active}
+    assert held == {"heavy": 12, "light": 4}  # 16 rows split 3:1, from the first step, nothing preempted
+    assert e.stats().preemptions == 0
+    drain(e)
+    assert all(len(t) == 40 for t in col.tokens.values()) and len(col.tokens) == 40
+
+
+def test_an_equal_tenant_takes_half_the_rows_within_a_step(dev_model, prompts):
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=16, rank_pools={})
+    col = Steps(e)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i in range(30):
+        e.add_request(f"a{i}", prompts[i % 20], long, None, col, tenant="first")
+    e.step()
+    for i in range(30):
+        e.add_request(f"b{i}", prompts[i % 20], long, None, col, tenant="second")
+    e.step()
+    held = {a.client: a.held for a in e.tenant_stats().active}
+    assert held == {"first": 8, "second": 8}
+    assert e.stats().preemptions_share == 8
+    for _ in range(20):  # and it stays so: nobody below its share, nobody preempted back
+        e.step()
+    assert {a.client: a.held for a in e.tenant_stats().active} == {"first": 8, "second": 8}
+    assert e.stats().preemptions_share == 8
+    for i in range(30):
+        e.cancel(f"a{i}")
+        e.cancel(f"b{i}")
+    assert not e.has_work() and e.stats().kv_cache_usage == 0.0
+
+
+def test_a_deferred_prefix_block_does_not_block_another_tenant(dev_model, prompts):
+    first = {}
+    for scheduling in ("fair", "fifo"):
+        e = Engine(dev_model, device="cpu", kv_cache_bytes=4 << 20, max_batch=8, rank_pools={}, prefix_cache=True,
+                   scheduling=scheduling)
+        col = Steps(e)
+        shared = (prompts[0] * 3)[:70]  # 4 full blocks
+        e.add_request("x1", shared + [5], SHORT, None, col, cache_salt="burst")
+        e.add_request("x2", shared + [6], SHORT, None, col, cache_salt="burst")  # waits for x1's blocks
+        e.add_request("y1", prompts[1], SHORT, None, col, cache_salt="other")
+        drain(e)
+        assert e.stats().prefix_cache_deferred >= 1
+        first[scheduling] = (col.first["x1"], col.first["x2"], col.first["y1"])
+    assert first["fair"] == (1, 2, 1)  # the other tenant is admitted beside x1
+    assert first["fifo"] == (1, 2, 2)  # first come, first served: behind the deferred x2
+
+
+def test_a_full_kv_cache_preempts_the_tenant_over_its_share(dev_model, prompts):
+    outs, preempted = {}, {}
+    short = [p[:14] for p in prompts[:7]]  # one block each at admission, two after 3 tokens
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for scheduling in ("fair", "fifo"):
+        e = Engine(dev_model, device="cpu", kv_cache_bytes=8 * 16 * PER_TOKEN, max_batch=8, rank_pools={},
+                   scheduling=scheduling)
+        col = Steps(e)
+        for i in range(6):
+            e.add_request(f"a{i}", short[i], params, None, col, tenant="many")
+        e.add_request("b0", short[6], params, None, col, tenant="one")  # the youngest request
+        drain(e)
+        rep = e.tenant_stats()
+        preempted[scheduling] = (rep.named["many"].preempted["kv"], rep.named["one"].preempted["kv"])
+        outs[scheduling] = col.tokens
+    assert preempted["fair"][0] > 0 and preempted["fair"][1] == 0  # the tenant over its share gives way
+    assert preempted["fifo"][1] > 0  # fifo: the youngest request, whoever's
+    assert outs["fair"] == outs["fifo"] and all(len(t) == 40 for t in outs["fair"].values())
+
+
+def test_tenant_and_weight_arguments(dev_model, prompts, tok_engine):
+    from handler.engine.engine import InvalidRequestError
+
+    e = tok_engine
+    for bad in (0, -1, float("nan"), float("inf"), "heavy"):
+        with pytest.raises(InvalidRequestError):
+            e.add_request("w", prompts[0], SHORT, None, None, tenant="t", weight=bad)
+    assert not e.has_work()
+    e.add_request("s1", prompts[0], SHORT, None, None, cache_salt="salted")  # tenant defaults to the salt
+    e.add_request("s2", prompts[1], SHORT, None, None, cache_salt="salted", tenant="billing")
+    assert {r.tenant for r in e._waiting} == {"salted", "billing"}  # noqa: SLF001
+    assert {a.client for a in e.tenant_stats().active} == {"salted", "billing"}
+    drain(e)
+    assert e.tenant_stats().active == [] and e.stats().scheduling == "fair"
