@@ -117,8 +117,10 @@ def tenant(name: str) -> dict:
 
 
 class Pause:
-    """The attacker's long stream holds the only batch row; the engine is then paused (its step lock
-    held) so that whatever is admitted after it stays waiting until `release`."""
+    """The attacker's long stream holds the only batch row, and the engine is then paused, so that
+    whatever is admitted after it stays waiting until `release`. Deterministic on a busy box: the
+    engine's own thread is stopped first, the test runs the one step that admits the attacker and
+    gives its first token, then nothing runs until `release` starts the thread again."""
 
     def __init__(self, http: httpx.AsyncClient, srv, max_tokens: int):
         self.http, self.srv, self.max_tokens = http, srv, max_tokens
@@ -126,21 +128,25 @@ class Pause:
         self._paused = False
 
     async def __aenter__(self):
+        engine = self.srv.engine
+        await asyncio.to_thread(engine.stop)
+        self._paused = True
         body = chat_body("dev-tiny", max_tokens=self.max_tokens, stream=True, ignore_eos=True)
         self._cm = self.http.stream("POST", f"{self.srv.url}{URL}", json=body, headers=tenant("attacker"))
-        resp = await self._cm.__aenter__()
+        opened = asyncio.ensure_future(self._cm.__aenter__())
+        assert await wait_until(lambda: waiting_of(self.srv, "attacker") == 1, 30)
+        await asyncio.to_thread(engine.step)  # admitted, prefilled: its first token and no more
+        resp = await opened
         assert resp.status_code == 200
         self._lines = resp.aiter_lines()
         while not _has_content(await anext(self._lines)):  # running: its first token is out
             pass
-        await asyncio.to_thread(self.srv.engine._step_lock.acquire)
-        self._paused = True
         return self
 
     def release(self) -> None:
         if self._paused:
             self._paused = False
-            self.srv.engine._step_lock.release()
+            self.srv.engine.start()
 
     async def __aexit__(self, *exc):
         self.release()
