@@ -421,9 +421,9 @@ class CompletionRequest(_SamplingFields):
                                  "request per prompt)")
             if any(isinstance(x, str) for x in v):
                 raise ValueError("prompt must not mix strings and token ids")
-            bad = next((x for x in v if isinstance(x, bool) or not isinstance(x, int)), None)
-            if bad is not None or any(isinstance(x, bool) for x in v):
-                raise ValueError(f"prompt token ids must be integers, got {json.dumps(bad)[:40]}")
+            bad = [x for x in v if isinstance(x, bool) or not isinstance(x, int)]  # null is bad too
+            if bad:
+                raise ValueError(f"prompt token ids must be integers, got {json.dumps(bad[0])[:40]}")
             if any(x < 0 for x in v):
                 raise ValueError("prompt token ids must be non-negative")
         return v

@@ -42,7 +42,7 @@ SURROGATES = [
     ("embeddings", {"input": LONE}, "input"),
     ("embeddings", {"input": ["fine", LONE]}, "input.1"),
 ]
-TOKEN_IDS = [[True, False], [1, True], [1.0, 2], [1, "2"], [[1, True]], [-1]]
+TOKEN_IDS = [[True, False], [1, True], [1.0, 2], [1, "2"], [[1, True]], [-1], [None], [1, None]]
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
