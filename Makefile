@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: test-under-load serve test bench bench-docs bench-peers loadtest loadtest-docs scale isolation soak install dev clean
+.PHONY: test-under-load serve test bench bench-docs bench-peers bench-fairness bench-fairness-docs loadtest loadtest-docs scale \
+	isolation soak install dev clean
 
 # -- the image and the compose farm (deploy/README.md). None of these run under `make test`. -----------
 # `make image`: deploy/Dockerfile via deploy/build_image.sh. BASE unset: python:3.11-slim when it can be
@@ -133,6 +134,22 @@ bench-peers: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.peers.run --model $(PEERS_MODEL) --adapters $(PEERS_ADAPTERS) \
 		--zipf-adapters $(PEERS_ZIPF_ADAPTERS) $(if $(PEERS_ZIPF_REQUESTS),--zipf-requests $(PEERS_ZIPF_REQUESTS)) \
 		--rounds $(PEERS_ROUNDS) --peers $(PEERS) --root $(STATE_DIR)/peers --out $(STATE_DIR)/peers/results $(PEERS_ARGS)
+
+# Issue 35's acceptance: a hostile tenant's attacks 1-4 (batch hog, 900 KB prompts, grammar flood, shared
+# compile) against a victim tenant on real replicas (--scheduling fair, and fifo for comparison), on the dev
+# and the real model; victim p50/p95 before and during each attack, the attacker's throughput, tokens per
+# tenant over time (about 15 min on a 2-core box). Results in $(STATE_DIR)/fairness (untracked);
+# docs/fairness.md and docs/fairness/*.png are rewritten only by `make bench-fairness-docs`.
+# FAIRNESS_MODELS: dev, real or both; FAIRNESS_ARGS adds or overrides flags (python -m benchmarks.fairness -h).
+FAIRNESS_MODELS ?= dev,real
+FAIRNESS_ARGS ?=
+bench-fairness: $(VENV)/.installed-dev
+	case ",$(FAIRNESS_MODELS)," in *,real,*) $(BIN)/lorafarm realmodel --out $(PEERS_MODEL) --quiet;; esac
+	$(BIN)/python -m benchmarks.fairness --models $(FAIRNESS_MODELS) --real-base $(PEERS_MODEL) \
+		--out $(STATE_DIR)/fairness $(FAIRNESS_ARGS)
+
+bench-fairness-docs: $(VENV)/.installed-dev
+	$(BIN)/python -m benchmarks.fairness --report-from $(STATE_DIR)/fairness --to docs
 
 # The load test (about 10 min on a 2-core box): a fresh farm of 2 replicas, 200 synthetic adapters
 # (no training), a 1/2/4 req/s sweep, the routing A/B and the 1/8/32-adapter throughput; results in
