@@ -815,6 +815,7 @@ def _plot(res: dict, att: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 8.5), sharex=True)
     colors = {VICTIM: "tab:blue", ATTACKER: "tab:red"}
@@ -829,6 +830,8 @@ def _plot(res: dict, att: dict, path: Path) -> None:
         if any(ys):
             ax.plot(xs, ys, color=colors[tenant], label=tenant, lw=1.2)
     ax.set_yscale("symlog", linthresh=10)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("generated tokens/s\n(replica /metrics)")
     ax.legend(loc="upper right", fontsize=8)
     ax = axes[1]
@@ -855,6 +858,8 @@ def _plot(res: dict, att: dict, path: Path) -> None:
     if any(att429):
         ax.step(xs, att429, where="mid", color="tab:orange", label="attacker 429", alpha=0.7)
     ax.set_yscale("symlog", linthresh=5)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("requests finished / s\n(client)")
     ax.legend(loc="upper right", fontsize=8)
     ax = axes[2]
