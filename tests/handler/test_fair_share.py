@@ -14,6 +14,7 @@ import pytest
 
 from handler.serving.prep import CUT_SLACK, TokenBound, _cuts
 from handler.threads import FairThreadPool, QueueFull, TenantQueues
+from tests.handler.conftest_service import wait_until
 
 REAL_MODEL = Path(__file__).resolve().parents[2] / ".cache/lorafarm/realmodel/models/smollm2-135m-instruct"
 
@@ -242,15 +243,6 @@ def _small(i: int) -> dict:
                                               "required": [f"v{i}"]}}
 
 
-async def _until(pred, what: str, deadline_s: float = 180.0) -> None:
-    """Wait for a state (a generous deadline only against a hang: nothing is timed)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not pred():
-        assert loop.time() < end, f"never reached: {what}"
-        await asyncio.sleep(0.02)
-
-
 def test_grammar_pool_is_round_robin_by_tenant_and_cancels_what_nobody_waits_for(tokenizers, monkeypatch):
     """An attacker holds its one worker slot (a compile that hangs) and fills its own queue; its next
     compile is a 429 (GrammarBusy) but the victim's compiles all run on the other worker meanwhile.
@@ -268,9 +260,10 @@ def test_grammar_pool_is_round_robin_by_tenant_and_cancels_what_nobody_waits_for
         try:
             hold = asyncio.ensure_future(pool.compile(
                 {"kind": "json_schema", "schema": {"title": FAULT_TITLE, "type": "object"}}, "attacker"))
-            await _until(lambda: pool.stats()["tenants"].get("attacker") == {"waiting": 0, "running": 1}, "hold")
+            holding = {"waiting": 0, "running": 1}
+            assert await wait_until(lambda: pool.stats()["tenants"].get("attacker") == holding, 180), "hold"
             queued = [asyncio.ensure_future(pool.compile(_pattern(400 + i), "attacker")) for i in range(4)]
-            await _until(lambda: pool.stats()["waiting"] == 4, "attacker's queue")
+            assert await wait_until(lambda: pool.stats()["waiting"] == 4, 180), "attacker's queue"
             with pytest.raises(GrammarBusy):
                 await pool.compile(_pattern(999), "attacker")
             for i in range(6):  # distinct new schemas of another tenant: none waits, none refused
@@ -282,8 +275,8 @@ def test_grammar_pool_is_round_robin_by_tenant_and_cancels_what_nobody_waits_for
                 t.cancel()
             await asyncio.gather(hold, *queued, return_exceptions=True)
             assert pool.stats()["waiting"] == 0 and pool.cancelled == 5
-            await _until(lambda: pool.stats()["tenants"] == {} and pool.alive == 2 and pool.stats()["idle"] == 2,
-                         "the killed worker replaced and the attacker's slot free")
+            assert await wait_until(lambda: pool.stats()["tenants"] == {} and pool.alive == 2
+                                    and pool.stats()["idle"] == 2, 180), "killed worker replaced, slot free"
             assert pool.compiles == 7  # the hang + the victim's 6: no queued compile ever ran
             assert (await pool.compile(_small(0), "attacker")).grammar
         finally:
