@@ -135,7 +135,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_prefill_tokens=self.max_prefill_tokens,
                                    kv_reserve=cfg.kv_reserve, batch_invariant=self.batch_invariant,
                                    cache_key=self.cache_key, scheduling=cfg.scheduling,
-                                   w_prefill=cfg.fair_prefill_weight, w_decode=cfg.fair_decode_weight)
+                                   w_prefill=cfg.fair_prefill_weight, w_decode=cfg.fair_decode_weight,
+                                   contended_rows=cfg.resolved_contended_rows(self.device),
+                                   small_step_rows=C_PREFILL_TOKENS if self.executor.decode_step else 0)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.slots,
                                       self._lock, self._cond)
         self._thread: threading.Thread | None = None

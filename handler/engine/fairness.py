@@ -29,10 +29,20 @@ with weights, plus a row share:
 - Shares. With B = max_batch rows and A the active clients (live requests: waiting or admitted),
   client c's share is s_c = B * phi_c / sum_{a in A} phi_a and it is guaranteed g_c = floor(s_c)
   rows (sum_c g_c <= B).
-- Share preemption. When no row is free and a backlogged client c holds h_c < g_c rows (or its head
-  does not fit the KV cache), the youngest request of the client most over its share
-  (argmax_a h_a - s_a over the clients with h_a > s_a) is preempted by recompute (its blocks freed,
-  back at the head of its client's queue, its output kept: greedy output is unchanged).
+- Share preemption. When no row is free and a backlogged client c holds h_c < g_c rows, the
+  youngest request of the client most over its share (argmax_a h_a - s_a over the clients with
+  h_a > s_a) is parked: it keeps its KV blocks and progress, waits at the head of its client's
+  queue, and goes on where it stopped when readmitted (nothing recomputed). Parked blocks are the
+  first freed when the cache runs short (the request is then recomputed at readmission). When c's
+  head does not fit the KV cache, rows of clients over their share are preempted by recompute
+  (blocks freed, output kept: greedy output is unchanged).
+- Contended steps (the scheduler's, not a policy decision: the rows of one step). While two or
+  more clients are active and one of them holds fewer rows than it is guaranteed (a light client
+  beside a heavy one; when every client holds its share, steps stay whole) a step decodes at most R rows (`--contended-rows`; on a CPU, where a
+  step's time grows with its rows, half the batch), split between the clients by weight, each
+  client's least recently decoded rows first, so that a step another client waits on stays short;
+  and a step carrying a short prefill of a client below its share decodes only as many rows as
+  keep it a small step (its first token then costs about what it costs alone).
 - KV preemption. When a decode row cannot grow (the KV cache is full), the youngest request of the
   client most over its share goes (ties: the youngest request), never the oldest admitted request
   while another is admitted: the oldest always fits alone (prompt + max_tokens <= the cache), so
@@ -228,6 +238,10 @@ class FairPolicy:
         """Holds fewer rows than it is guaranteed."""
         st = self.clients.get(client)
         return st is not None and st.held < self.guaranteed(client)
+
+    def any_below_share(self) -> bool:
+        """Some active client holds fewer rows than it is guaranteed (a light client beside heavier ones)."""
+        return any(st.held < self.guaranteed(c) for c, st in self.clients.items())
 
     def over_share(self, client: Client) -> float:
         """Rows held beyond the share (negative: below it)."""

@@ -47,7 +47,7 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     kv_cache_capacity_tokens: int = 0
-    preemptions: int = 0  # requests preempted (by recompute): preemptions_kv + preemptions_share
+    preemptions: int = 0  # requests preempted: preemptions_kv (by recompute) + preemptions_share (parked)
     attention: str = "gather"  # decode attention in use: "paged" (in place) or "gather"
     decode_step_c: int = 0  # decode steps run by the C decode step (`handler.model.decode_step`)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
@@ -59,7 +59,7 @@ class EngineStats:
     speculative_accepted: int = 0  # of those, tokens taken
     scheduling: str = "fair"  # the admission policy: "fair" (handler.engine.fairness) or "fifo"
     preemptions_kv: int = 0  # preempted because the KV cache ran out
-    preemptions_share: int = 0  # preempted because another tenant waited below its share of rows
+    preemptions_share: int = 0  # parked (KV kept) because another tenant waited below its share of rows
     tenants_active: int = 0  # tenants with requests waiting or admitted
 
 
@@ -68,6 +68,7 @@ class Request:
         "id", "prompt", "params", "adapter_id", "slot", "on_event", "gen", "out", "blocks", "prefilled", "ctx",
         "cancelled", "text", "emitted", "prefix_off", "read_off", "arrival", "max_stop", "salt", "root", "hashes",
         "published", "cached", "admitted", "ngrams", "tenant", "weight", "charged_prompt", "charged_out",
+        "decoded_at",
     )
 
     def __init__(self, rid: str, prompt: list[int], params: SamplingParams, adapter_id: str | None, slot: int,
@@ -97,6 +98,7 @@ class Request:
         self.weight = weight  # its tenant's weight
         self.charged_prompt = 0  # prompt positions charged to the tenant (a high-water mark: no recompute)
         self.charged_out = 0  # generated tokens charged to the tenant
+        self.decoded_at = -1  # the last step that decoded it (contended steps rotate rows: least recent first)
 
     def remaining(self) -> int:
         return (len(self.ctx) - self.prefilled) + (self.params.max_tokens - len(self.out))

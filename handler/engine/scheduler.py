@@ -12,20 +12,23 @@ first come, first served order for comparison (the policy then only counts). Ste
   reserves both, for comparison). Which request (`_next_to_admit`): fair, the head (FIFO within a
   tenant) of the backlogged tenant with the least counter; fifo, the head of the queue. The request
   chosen that does not fit stops admission: nothing overtakes it.
-- Share preemption (fair): no free row (or no KV room) for a tenant that waits below its guaranteed
-  rows -> the youngest request of the tenant most over its share is preempted by recompute
-  (`_share_victim`).
+- Share preemption (fair): no free row for a tenant that waits below its guaranteed rows -> the
+  youngest request of the tenant most over its share is parked (`_share_victim`, `_park`: it keeps
+  its KV blocks and resumes where it stopped, `_resume`); no KV room for it -> parked blocks are
+  freed first (`_release_parked`), then rows over a share preempted by recompute (`_make_room`).
 - With the prefix cache, a request starts from the longest run of cached full blocks of its chain
   (batch-invariant: whole prefill chunks only) and may copy the head of its next block from a cached
   sibling; a request whose next block an earlier admitted request is computing is deferred until
   that block is published (`_cached_prefix`): fifo, the queue behind it waits too; fair, only its
   tenant is passed over for the step (the block is its own tenant's: the chain is salted by tenant).
 - Before a step every decode row gets the block its next token needs, oldest first; while the pool
-  is empty a request is preempted by recompute (`_choose_victim`): fifo, the youngest admitted;
+  is empty a parked request's blocks are freed, then a request is preempted by recompute (`_choose_victim`): fifo, the youngest admitted;
   fair, the youngest of the tenant most over its share, never the oldest admitted while another is.
 - Prefill chunks: prompts in admission order within `max_prefill_tokens` per step (a long prompt is
   split); batch-invariant, chunks at fixed offsets (multiples of max_prefill_tokens), whole or not at
-  all (`_fixed_offset_chunks`). Decode rows: every running request, ordered by adapter slot.
+  all (`_fixed_offset_chunks`). Decode rows: every running request, ordered by adapter slot; fair,
+  while two or more tenants are active, at most `contended_rows` of them, taking turns, and fewer in
+  a step carrying a newcomer's short prefill (`_decode_rows`).
 - Accounting (both modes): each tenant is charged the prompt tokens it had prefilled (not cache
   hits, not recompute) and the tokens it generated (at the next plan, or when it ends), its
   requests' admission waits and preemptions (`FairPolicy.ledger`).
@@ -69,10 +72,15 @@ class Scheduler:
 
     def __init__(self, kv: KVCache, *, max_batch: int, max_prefill_tokens: int, kv_reserve: str,
                  batch_invariant: bool, cache_key: str, scheduling: str = "fair", w_prefill: float = W_PREFILL,
-                 w_decode: float = W_DECODE):
+                 w_decode: float = W_DECODE, contended_rows: int | None = None, small_step_rows: int = 0):
         if scheduling not in ("fair", "fifo"):
             raise ValueError(f"scheduling must be 'fair' or 'fifo', not {scheduling!r}")
         self.kv, self.max_batch, self.max_prefill_tokens = kv, max_batch, max_prefill_tokens
+        # fair, while two or more tenants are active: decode rows per step (rotating), None: max_batch
+        self.contended_rows = max_batch if contended_rows is None else max(1, min(int(contended_rows), max_batch))
+        # rows (prompt tokens + decode rows) of a step the executor runs fast (the C decode step's
+        # prefill steps): a newcomer's short prefill is given such a step while tenants contend; 0: never
+        self.small_step_rows = int(small_step_rows)
         self.cache_key = cache_key
         self.scheduling, self.fair = scheduling, scheduling == "fair"
         self.policy = FairPolicy(max_batch, w_prefill=w_prefill, w_decode=w_decode)
@@ -150,9 +158,7 @@ class Scheduler:
         self._grow_decode_blocks()  # running rows first, then newcomers with what is left
         self._admit()
         prefill = self._chunks()
-        # decode rows ordered by adapter slot: rows of one adapter sit together and a run of
-        # consecutive slots is read from the stacks as a view instead of a gathered copy
-        decode = sorted(self.running, key=lambda r: r.slot)
+        decode = self._decode_rows(prefill)
         if not prefill and not decode:
             return None
         plan = StepPlan(prefill, decode)
@@ -177,6 +183,47 @@ class Scheduler:
         if not r.cancelled and r.prefilled == len(r.ctx):
             self.prefilling.remove(r)
             self.running.append(r)
+
+    def _decode_rows(self, prefill: list[tuple[Request, int]]) -> list[Request]:
+        """The running requests this step decodes, ordered by adapter slot (rows of one adapter sit
+        together and a run of consecutive slots is read from the stacks as a view instead of a
+        gathered copy). Fair, with two or more tenants active and one of them below its guaranteed
+        rows (a light tenant beside a heavy one), so that a step the light one waits on stays short:
+        at most `contended_rows` (`_rotated_rows`); and when the step carries a short
+        prefill of a tenant below its share (a newcomer waiting for its first token), only as many
+        as keep the step within `small_step_rows` (its first token then costs about what it costs
+        alone)."""
+        rows = self.running
+        if self.fair and len(self.policy.clients) > 1 and self.policy.any_below_share():
+            k = self.contended_rows
+            prompt = sum(n for _, n in prefill)
+            if 0 < prompt < self.small_step_rows and any(self.policy.below_share(r.tenant) for r, _ in prefill):
+                k = min(k, self.small_step_rows - prompt)
+            if len(rows) > k:
+                rows = self._rotated_rows(rows, k)
+        rows = sorted(rows, key=lambda r: r.slot)
+        for r in rows:
+            r.decoded_at = self.steps
+        return rows
+
+    def _rotated_rows(self, rows: list[Request], k: int) -> list[Request]:
+        """k of `rows`, split between tenants by weight (the next row goes to the tenant with the
+        fewest rows picked per unit of weight; ties: the least served), each tenant's least recently
+        decoded rows first: every row is decoded within a few steps, and a tenant with few rows
+        (a newcomer) has all of them decoded every step."""
+        queues: dict = {}
+        for r in sorted(rows, key=lambda q: (q.decoded_at, q.arrival)):
+            queues.setdefault(r.tenant, collections.deque()).append(r)
+        clients = self.policy.clients
+        weight = {t: clients[t].weight if t in clients else 1.0 for t in queues}
+        counter = {t: clients[t].counter if t in clients else 0.0 for t in queues}
+        taken = dict.fromkeys(queues, 0)
+        picked: list[Request] = []
+        while len(picked) < min(k, len(rows)):
+            t = min((t for t, q in queues.items() if q), key=lambda t: (taken[t] / weight[t], counter[t]))
+            picked.append(queues[t].popleft())
+            taken[t] += 1
+        return picked
 
     def _budget_chunks(self) -> list[tuple[Request, int]]:
         """Prompts in admission order, as much of each as the step's prefill budget has left."""
@@ -248,7 +295,8 @@ class Scheduler:
             if req is None:
                 break
             hit: list[int] | None = []
-            if self.kv.prefix_cache:
+            parked = req.blocks is not None  # share-preempted earlier: resumes with its cache
+            if self.kv.prefix_cache and not parked:
                 if pending is None:
                     pending = {h for r in self.prefilling if r.hashes for h in r.hashes[r.published :]}
                 hit = self._cached_prefix(req, pending)
@@ -262,7 +310,11 @@ class Scheduler:
                 if victim is None:
                     self.kv.free(hit)
                     break
-                self._preempt(victim, "share")
+                self._park(victim)
+            if parked:
+                if not self._resume(req):
+                    break  # its next block does not fit: wait for a request to finish
+                continue
             if self.fair:
                 self._make_room(req, len(hit))
             if not self._place(req, hit):
@@ -285,11 +337,14 @@ class Scheduler:
         return None if t is None else youngest[t]
 
     def _make_room(self, req: Request, have: int) -> None:
-        """Fair: a request of a tenant below its share whose blocks the cache lacks takes them from
-        the rows of tenants over their share (preempted, youngest of the most over first)."""
+        """Fair: a request whose blocks the cache lacks takes those of parked requests (`_park`); one
+        of a tenant below its share also those of the rows of tenants over their share (preempted,
+        youngest of the most over first)."""
         need = self.kv.blocks_for(len(req.ctx) + (
             req.params.max_tokens - len(req.out) if self._reserve_max_tokens else 0)) - have
         while need > self.kv.free_blocks:
+            if self._release_parked():
+                continue
             victim = self._share_victim(req.tenant)
             if victim is None:
                 return
@@ -385,6 +440,8 @@ class Scheduler:
                 continue  # preempted below for an older row
             need = len(r.prompt) + len(r.out)  # positions 0 .. len - 1 are written once this step ends
             while not self.kv.grow(r.blocks, need):
+                if self._release_parked():
+                    continue
                 victim = self._choose_victim()
                 self._preempt(victim, "kv")
                 if victim is r:
@@ -401,6 +458,47 @@ class Scheduler:
         oldest = min(admitted, key=lambda q: q.arrival)
         youngest = self._youngest_by_tenant([r for r in admitted if r is not oldest])
         return youngest[self.policy.most_over(youngest)]
+
+    def _park(self, r: Request) -> None:
+        """Share preemption without recompute: the request keeps its cache and its progress and waits
+        at the head of the queue; admitted again (`_resume`) when its tenant's turn comes, it goes on
+        where it stopped. Its blocks are the first taken when the cache runs short (`_release_parked`:
+        then it is recomputed, as `_preempt` would have had it)."""
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        else:
+            self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.preemptions += 1
+        self.policy.requeue(r.tenant, "share")
+        log.info("parked request %s of tenant %s (keeps %d cached tokens): a tenant below its share of rows waits",
+                 r.id, r.tenant, r.prefilled)
+
+    def _resume(self, r: Request) -> bool:
+        """Admit a parked request with its cache (and the block its next token needs); False, nothing
+        changed, when that block does not fit."""
+        decoding = r.prefilled >= len(r.ctx)
+        if decoding and not self.kv.grow(r.blocks, len(r.prompt) + len(r.out)):
+            return False
+        self.waiting.remove(r)
+        (self.running if decoding else self.prefilling).append(r)
+        self.policy.admit(r.tenant)
+        return True
+
+    def _release_parked(self) -> bool:
+        """Free the cache of one parked request (the youngest of the tenant most over its share), to be
+        recomputed at its readmission; False when none is parked."""
+        parked = [r for r in self.waiting if r.blocks is not None]
+        if not parked:
+            return False
+        youngest = self._youngest_by_tenant(parked)
+        r = youngest[self.policy.most_over(youngest)]
+        self.kv.free(r.blocks)
+        r.blocks = None
+        r.ctx = r.prompt + r.out
+        r.prefilled = 0
+        r.hashes = None
+        return True
 
     def _preempt(self, r: Request, reason: str = "kv") -> None:
         """Free a request's cache and put it back at the head of the queue, to be recomputed."""

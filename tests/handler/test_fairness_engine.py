@@ -2,7 +2,8 @@
 time): a tenant's n=16 requests no longer hold the batch against another tenant's short ones, the
 attacker still progresses, greedy output is unchanged, one tenant alone is served exactly as first
 come first served, weights split the rows, a deferred prefix block never blocks another tenant, and
-a full KV cache preempts the tenant over its share."""
+a full KV cache preempts the tenant over its share; while tenants contend a step decodes at most
+`contended_rows` rows, taking turns, and a newcomer's short prefill gets a small step."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ class Steps:
         self.done: dict[str, int] = {}  # request -> step of its final event
         self.reason: dict[str, str] = {}
         self.per_step: dict[int, dict[str, int]] = {}  # step -> request prefix -> tokens
+        self.steps_of: dict[str, list[int]] = {}  # request -> the steps that gave it a token
 
     def __call__(self, ev: TokenEvent) -> None:
         step = self.engine.scheduler.steps
         if ev.token_id is not None:
             self.tokens.setdefault(ev.request_id, []).append(ev.token_id)
             self.first.setdefault(ev.request_id, step)
+            self.steps_of.setdefault(ev.request_id, []).append(step)
             bucket = self.per_step.setdefault(step, {})
             bucket[ev.request_id[0]] = bucket.get(ev.request_id[0], 0) + 1
         if ev.finished:
@@ -66,12 +69,25 @@ ATTACK = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def run_attack(dev_model, prompts, scheduling: str):
+class PrefillCount:
+    """Prompt tokens the scheduler's prefill chunks computed, recompute included."""
+
+    def __init__(self, engine: Engine):
+        self.tokens, self._prefilled = 0, engine.scheduler.prefilled
+        engine.scheduler.prefilled = self
+
+    def __call__(self, r, n: int) -> None:
+        self.tokens += n
+        self._prefilled(r, n)
+
+
+def run_attack(dev_model, prompts, scheduling: str, **kw):
     """Four requests of n=16 (64 engine requests, 600 tokens each) fill the batch of 32 rows; then
     another tenant sends 4 short requests. Returns (engine, steps, the step the victim arrived)."""
     e = Engine(dev_model, device="cpu", kv_cache_bytes=64 << 20, max_batch=32, rank_pools={},
-               scheduling=scheduling)
+               scheduling=scheduling, **kw)
     col = Steps(e)
+    e.prefill_count = PrefillCount(e)
     for j in range(4):
         for i in range(16):
             e.add_request(f"a{j}.{i}", prompts[j], ATTACK, None, col, cache_salt="attacker")
@@ -87,23 +103,35 @@ def run_attack(dev_model, prompts, scheduling: str):
 
 @pytest.fixture(scope="module")
 def attack_runs(dev_model, prompts):
-    return {s: run_attack(dev_model, prompts, s) for s in ("fair", "fifo")}
+    runs = {s: run_attack(dev_model, prompts, s) for s in ("fair", "fifo")}
+    runs["fair-uncapped"] = run_attack(dev_model, prompts, "fair", contended_rows=32)
+    return runs
 
 
-def test_victim_admitted_at_once_while_the_attacker_holds_the_batch(attack_runs):
+def test_victim_admitted_at_once_while_the_attacker_holds_the_batch(attack_runs, prompts):
     e, col, arrived = attack_runs["fair"]
+    assert e.scheduler.contended_rows == 16  # the CPU's default: half of --max-batch
     victims = [f"v{i}" for i in range(4)]
     # every victim request gets its first token in the very next step, and ends 15 steps later
     assert [col.first[v] - arrived for v in victims] == [1, 1, 1, 1]
     assert [col.done[v] - arrived for v in victims] == [16, 16, 16, 16]
-    # by taking 4 rows from the attacker (over its share of 16), never more, and no KV preemption
+    # by taking 4 rows from the attacker (over its share of 16), never more, and no KV preemption;
+    # the 4 requests it gave way are parked with their cache: no prompt token is computed twice
     st = e.stats()
     assert st.preemptions_share == 4 and st.preemptions_kv == 0 and st.preemptions == 4
-    # the attacker still progresses: 28 rows decode in every step the victims run, and every one of
-    # its 64 choices ends with its 600 tokens
-    for step in range(arrived + 1, arrived + 17):
-        assert col.per_step[step].get("a", 0) >= 28, step
-        assert col.per_step[step].get("v", 0) == 4, step
+    assert e.prefill_count.tokens == sum(len(prompts[j]) for j in range(4)) * 16 + sum(
+        len(prompts[10 + i]) for i in range(4))
+    # while the victims run a step decodes 16 rows: the victims' 4 and 12 of the attacker's 28,
+    # which take turns: each attacker row decodes at least once in any 3 consecutive steps
+    for step in range(arrived + 2, arrived + 17):
+        assert col.per_step[step] == {"a": 12, "v": 4}, step
+    window = range(arrived + 2, arrived + 17)
+    rows = {r: [s for s in col.steps_of[r] if s in window] for r in col.steps_of if r.startswith("a")}
+    rows = {r: steps for r, steps in rows.items() if steps}
+    assert len(rows) == 28  # the 4 parked requests wait; the others all decode
+    for r, mine in rows.items():
+        gaps = [b - a for a, b in zip([window.start - 1, *mine], [*mine, window.stop])]
+        assert max(gaps) <= 3, (r, mine)
     attackers = [r for r in col.tokens if r.startswith("a")]
     assert len(attackers) == 64 and all(len(col.tokens[r]) == 600 for r in attackers)
     assert all(col.reason[r] == "length" for r in col.reason)
@@ -113,6 +141,40 @@ def test_victim_admitted_at_once_while_the_attacker_holds_the_batch(attack_runs)
     assert rep.named["attacker"].preempted == {"kv": 0, "share": 4}
     assert rep.named["victim"].queue_count == 4 and rep.named["attacker"].queue_count == 64
     assert rep.active == [] and e.stats().tenants_active == 0
+
+
+def test_uncapped_contended_steps_decode_every_row(attack_runs):
+    # --contended-rows 32 (an accelerator's default): the attacker's 28 rows decode in every step
+    e, col, arrived = attack_runs["fair-uncapped"]
+    assert [col.first[f"v{i}"] - arrived for i in range(4)] == [1, 1, 1, 1]
+    for step in range(arrived + 2, arrived + 17):
+        assert col.per_step[step] == {"a": 28, "v": 4}, step
+    assert attack_runs["fair"][1].tokens == col.tokens  # greedy: the same tokens either way
+
+
+def test_a_newcomers_short_prefill_gets_a_small_step(dev_model, prompts):
+    """A prompt of 6 tokens from a second tenant while the first holds 20 decode rows: its step holds
+    at most small_step_rows rows in all (the C decode step's prefill steps), and the next ones go
+    back to contended_rows."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=32, rank_pools={})
+    col = Steps(e)
+    for i in range(20):
+        e.add_request(f"a{i}", prompts[i], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), None, col,
+                      tenant="a")
+    for _ in range(3):
+        e.step()
+    arrived = e.scheduler.steps
+    e.add_request("v0", prompts[30][:6], SHORT, None, col, tenant="v")
+    e.step()
+    assert col.first["v0"] == arrived + 1
+    small = e.scheduler.small_step_rows
+    assert small == (16 if e.executor.decode_step else 0)
+    expected = small - 6 if small else e.scheduler.contended_rows - 1
+    assert col.per_step[arrived + 1] == {"a": expected, "v": 1}
+    e.step()
+    assert col.per_step[arrived + 2] == {"a": 15, "v": 1}
+    drain(e)
+    assert all(len(t) == 60 for r, t in col.tokens.items() if r.startswith("a"))
 
 
 def test_fifo_makes_the_victim_wait_for_the_attacker(attack_runs):
@@ -248,3 +310,54 @@ def test_tenant_and_weight_arguments(dev_model, prompts, tok_engine):
     assert {a.client for a in e.tenant_stats().active} == {"salted", "billing"}
     drain(e)
     assert e.tenant_stats().active == [] and e.stats().scheduling == "fair"
+
+
+def test_parked_rows_give_their_cache_back_when_it_runs_short(dev_model, prompts):
+    """Rows parked for another tenant's share keep their KV blocks only while the cache has room: a
+    newcomer that lacks blocks takes theirs first (they are recomputed later), and every answer is
+    still the greedy one fifo gives."""
+    short = [p[:14] for p in prompts[:12]]  # one block each at admission
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for scheduling in ("fair", "fifo"):
+        e = Engine(dev_model, device="cpu", kv_cache_bytes=34 * 16 * PER_TOKEN, max_batch=8, rank_pools={},
+                   scheduling=scheduling)
+        col = Steps(e)
+        count = PrefillCount(e)
+        for i in range(8):
+            e.add_request(f"a{i}", short[i], params, None, col, tenant="many")
+        for _ in range(12):  # 8 rows of 2 blocks each (16 of 34); each needs 4 at its end (54 tokens)
+            e.step()
+        for i in range(4):
+            e.add_request(f"b{i}", short[8 + i], params, None, col, tenant="one")
+        drain(e)
+        outs[scheduling] = col.tokens
+        if scheduling == "fair":
+            st = e.stats()
+            # 4 of the 8 rows parked for the newcomer's share, holding 8 blocks; the 8 running rows
+            # grow to 32 blocks: the parked rows' blocks go first (recomputed later: more prompt
+            # tokens than the prompts), no running row is preempted
+            assert st.preemptions_share == 4 and st.preemptions_kv == 0
+            assert count.tokens > sum(len(p) for p in short)
+            assert {r for r in col.first if r.startswith("b")} == {f"b{i}" for i in range(4)}
+    assert outs["fair"] == outs["fifo"] and all(len(t) == 40 for t in outs["fair"].values())
+
+
+def test_steps_stay_whole_while_every_tenant_holds_its_share(dev_model, prompts):
+    """Two heavy tenants, each with more requests than its 8 rows: nobody is below its share, so every
+    step decodes all 16 rows (short steps protect a light tenant only)."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=16, rank_pools={})
+    col = Steps(e)
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for i in range(12):
+        e.add_request(f"a{i}", prompts[i], long, None, col, tenant="first")
+        e.add_request(f"b{i}", prompts[i + 12], long, None, col, tenant="second")
+    for _ in range(3):
+        e.step()
+    assert {a.client: a.held for a in e.tenant_stats().active} == {"first": 8, "second": 8}
+    start = e.scheduler.steps
+    for _ in range(10):
+        e.step()
+    for step in range(start + 1, start + 11):
+        assert col.per_step[step] == {"a": 8, "b": 8}, step
+    drain(e)
