@@ -73,21 +73,30 @@ fi
 say "base: $BASE"
 
 # -- the host's pip configuration, CA bundle and local wheel folders --------------------------------
+# serve_dir runs inside $(...), a subshell: the pids of the servers it starts go to a file, not a
+# variable, so the exit trap (every exit: success, an error under set -e, Ctrl-C, TERM) can stop them.
 work="$(mktemp -d)"
-servers=()
+: > "$work/servers"
 cleanup() {
     local p
-    for p in "${servers[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+    while read -r p; do
+        kill "$p" 2>/dev/null || true
+    done < "$work/servers"
+    while read -r p; do  # and wait until they are gone
+        for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    done < "$work/servers"
     rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 PYHOST="$(command -v python3 || true)"
 serve_dir() {  # serve_dir DIR -> prints http://127.0.0.1:PORT
     local dir="$1" port
     port="$("$PYHOST" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     "$PYHOST" -m http.server --bind 127.0.0.1 --directory "$dir" "$port" >/dev/null 2>&1 &
-    servers+=("$!")
+    echo "$!" >> "$work/servers"
     for _ in $(seq 50); do
         "$PYHOST" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/', timeout=1)" \
             >/dev/null 2>&1 && break

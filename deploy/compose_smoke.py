@@ -1,18 +1,25 @@
 """The compose farm's smoke checks, run inside the farm's network by deploy/compose_smoke.sh
 (`docker-compose run --rm tools python /deploy/compose_smoke.py STEP ...`).
 
+The farm serves the real model (SmolLM2-135M-Instruct) and its four demo adapters, seeded by the
+`seed` service as tenant `demo` (/farm/farm.json). Every request is greedy (temperature 0), and an
+answer counts as right when it shows its adapter's behaviour (`lorafarm.demo_adapters`: the support
+prefix "ACME SUPPORT:", French, a JSON object, a pirate's "Arr").
+
 Steps (state between them in /data/smoke.json on the `smoke` volume; each prints one JSON line
 starting with `RESULT ` that the shell script collects):
   wait                  registry, router (every replica healthy) and Prometheus answer
-  seed                  tenant `smoke`, canaries from /models/canaries uploaded through the registry,
-                        aliases smoke/<canary>:prod, until the router lists them
-  canary N              N chat completions (half streamed) through the router with the openai
-                        client; every answer must be exactly its adapter's marker
+  seed                  the seed service's tenant and aliases (/farm/farm.json), until the router lists them
+  demo                  the base and each demo alias answer their example prompt (the base: "Paris" for the
+                        capital of France; each alias: its behaviour), and a few held-out prompts (reported)
+  canary N              N chat completions (half streamed) over the demo aliases through the router with the
+                        openai client; every answer must show its adapter's behaviour
   midstream             one long stream; prints `MIDSTREAM <replica id>` after 3 chunks (the shell
                         kills that replica's container then), then expects the router's error event
   failover RID          the router takes RID out; requests keep being served right by the other one
-  rejoin RID            RID back in the router's health and serving (correct markers) again
-  prometheus            every target up, the shipped alert rules loaded, the paged-attention gauge
+  rejoin RID            RID back in the router's health and serving (right answers) again
+  prometheus            every target up, the shipped alert rules loaded, the C decode step's steps
+                        (lorafarm_decode_steps_c) above 0 on both replicas
 """
 
 from __future__ import annotations
@@ -32,12 +39,12 @@ ROUTER = os.environ.get("SMOKE_ROUTER_URL", "http://router:8000")
 REGISTRY = os.environ.get("LORAFARM_REGISTRY_URL", "http://registry:8100")
 PROMETHEUS = os.environ.get("SMOKE_PROMETHEUS_URL", "http://prometheus:9090")
 STATE = Path("/data/smoke.json")
-CANARIES = Path("/models/canaries")
+FARM = Path("/farm/farm.json")
 RULES = Path("/deploy/monitoring/alerts.rules.yaml")
-BASE = "lorafarm-dev-tiny"
-TENANT = "smoke"
 REPLICAS = 3  # what the router counts: replicas r0, r1 and the embedding worker e0
-MSG = [{"role": "user", "content": "hello"}]
+MAX_TOKENS = 64  # enough for a whole answer (a JSON one must close)
+BASE_PROMPT, BASE_WANT = "What is the capital of France?", "Paris"
+HELDOUT = 3  # held-out prompts per alias in the demo step (reported, not required)
 
 
 def result(**kw) -> None:
@@ -75,32 +82,43 @@ def client(timeout: float = 60.0) -> OpenAI:
     return OpenAI(base_url=f"{ROUTER}/v1", api_key=state()["api_key"], max_retries=0, timeout=timeout)
 
 
-def ask(c: OpenAI, alias: str, stream: bool) -> tuple[str, str]:
+def shows(alias: str, answer: str) -> bool:
+    """The answer shows the behaviour of the alias's demo adapter (demo/<name>:prod)."""
+    from lorafarm.demo_adapters import DEMO_ADAPTERS
+
+    name = alias.split("/", 1)[1].split(":", 1)[0]
+    return next(a for a in DEMO_ADAPTERS if a.name == name).shows(answer)
+
+
+def ask(c: OpenAI, model: str, prompt: str, stream: bool) -> tuple[str, str]:
     """(answer, replica id) of one greedy request."""
+    msgs = [{"role": "user", "content": prompt}]
     if stream:
         with c.chat.completions.with_streaming_response.create(
-                model=alias, messages=MSG, max_tokens=24, temperature=0, stream=True) as raw:
+                model=model, messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True) as raw:
             rid = raw.headers.get("x-replica-id", "?")
             text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
         return text, rid
-    raw = c.chat.completions.with_raw_response.create(model=alias, messages=MSG, max_tokens=24, temperature=0)
+    raw = c.chat.completions.with_raw_response.create(model=model, messages=msgs, max_tokens=MAX_TOKENS,
+                                                      temperature=0)
     return raw.parse().choices[0].message.content or "", raw.headers.get("x-replica-id", "?")
 
 
 def run_requests(n: int, concurrency: int = 4) -> dict:
-    """n requests over every alias, half streamed; counts answers, wrong markers, errors, replicas."""
+    """n requests over every demo alias (its example prompt), half streamed; counts answers, answers
+    that do not show their adapter's behaviour, errors, replicas."""
     st = state()
-    aliases = sorted(st["markers"])
+    aliases = sorted(st["aliases"])
     c = client()
     jobs = [(aliases[i % len(aliases)], i % 2 == 1) for i in range(n)]
 
     def one(job):
         alias, stream = job
         try:
-            text, rid = ask(c, alias, stream)
+            text, rid = ask(c, alias, st["aliases"][alias]["example_prompt"], stream)
         except Exception as e:  # noqa: BLE001
             return {"error": f"{type(e).__name__}: {e}"}
-        return {"ok": text == st["markers"][alias], "text": text, "want": st["markers"][alias], "rid": rid}
+        return {"ok": shows(alias, text), "alias": alias, "text": text, "rid": rid}
 
     with ThreadPoolExecutor(concurrency) as pool:
         out = list(pool.map(one, jobs))
@@ -110,7 +128,7 @@ def run_requests(n: int, concurrency: int = 4) -> dict:
             by_replica[o["rid"]] = by_replica.get(o["rid"], 0) + 1
     wrong = [o for o in out if "ok" in o and not o["ok"]]
     errors = [o["error"] for o in out if "error" in o]
-    return {"requests": n, "answered": n - len(errors), "wrong_markers": len(wrong), "errors": len(errors),
+    return {"requests": n, "answered": n - len(errors), "wrong": len(wrong), "errors": len(errors),
             "by_replica": by_replica, "wrong_examples": wrong[:3], "error_examples": errors[:3]}
 
 
@@ -124,30 +142,10 @@ def step_wait(timeout: float = 300.0) -> None:
 
 
 def step_seed() -> None:
-    from archives.basehash import base_model_hash
-    from lorafarm.registry_client import RegistryClient
-
-    markers = json.loads((CANARIES / "markers.json").read_text())
-    trained_on = base_model_hash(f"/models/{BASE}")
-
-    async def seed() -> dict:
-        async with RegistryClient(REGISTRY) as reg:
-            known = {t["tenant_id"] for t in await reg.list_tenants()}
-            if TENANT in known:
-                api_key = (await reg.create_key(TENANT))["api_key"]
-            else:
-                api_key = (await reg.create_tenant(TENANT))["api_key"]
-            out = {}
-            for name, info in sorted(markers.items()):
-                alias = f"{TENANT}/{name}:prod"
-                adapter = await reg.upload_adapter(CANARIES / info["path"], TENANT, alias=alias, base_model=BASE,
-                                                   base_model_hash=trained_on)
-                out[alias] = {"adapter_id": adapter["adapter_id"], "marker": info["marker"]}
-            return {"api_key": api_key, "adapters": out}
-
     t0 = time.monotonic()
-    seeded = asyncio.run(seed())
-    st = {"api_key": seeded["api_key"], "markers": {a: v["marker"] for a, v in seeded["adapters"].items()}}
+    farm = wait_for(lambda: json.loads(FARM.read_text()) if FARM.exists() else None, 120,
+                    "the seed service's /farm/farm.json")
+    st = {"api_key": farm["api_key"], "base_model": farm["base_model"], "aliases": farm["aliases"]}
     tmp = STATE.with_suffix(".tmp")
     tmp.write_text(json.dumps(st))
     tmp.chmod(0o600)
@@ -155,25 +153,54 @@ def step_seed() -> None:
 
     def listed():
         r = httpx.get(f"{ROUTER}/v1/models", headers={"Authorization": f"Bearer {st['api_key']}"}, timeout=5)
-        return r.status_code == 200 and set(st["markers"]) <= {m["id"] for m in r.json()["data"]}
+        return r.status_code == 200 and set(st["aliases"]) <= {m["id"] for m in r.json()["data"]}
 
-    wait_for(listed, 60, "the router to list the canary aliases")
-    result(ok=True, step="seed", tenant=TENANT, adapters={a: v["adapter_id"] for a, v in seeded["adapters"].items()},
-           seconds=round(time.monotonic() - t0, 1))
+    wait_for(listed, 60, "the router to list the demo aliases")
+    # one object key prefix in S3 (s3://lorafarm/adapters/<tenant>/<id>.lar, not adapters/adapters/...)
+    uris = {a: v.get("weights_uri") for a, v in st["aliases"].items()}
+    single = all(u and u.startswith("s3://lorafarm/adapters/") and "/adapters/adapters/" not in u for u in uris.values())
+    result(ok=single, step="seed", tenant=farm["tenant_id"], weights_uris=uris, seconds=round(time.monotonic() - t0, 1))
+    sys.exit(0 if single else 1)
+
+
+def step_demo() -> None:
+    from lorafarm.demo_adapters import heldout_prompts
+
+    t0 = time.monotonic()
+    st = state()
+    c = client(timeout=180)
+    base_answer, base_rid = ask(c, st["base_model"], BASE_PROMPT, stream=False)
+    answers = {st["base_model"]: {"prompt": BASE_PROMPT, "answer": base_answer, "replica": base_rid,
+                                  "ok": BASE_WANT in base_answer}}
+    heldout: dict[str, list[dict]] = {}
+    prompts = heldout_prompts()
+    for alias, info in sorted(st["aliases"].items()):
+        text, rid = ask(c, alias, info["example_prompt"], stream=False)
+        answers[alias] = {"prompt": info["example_prompt"], "answer": text, "replica": rid, "ok": shows(alias, text)}
+        heldout[alias] = []
+        for q in [p for p in prompts if p != info["example_prompt"]][:HELDOUT]:
+            a, _ = ask(c, alias, q, stream=False)
+            heldout[alias].append({"prompt": q, "answer": a, "ok": shows(alias, a)})
+    ok = all(a["ok"] for a in answers.values())
+    result(ok=ok, step="demo", seconds=round(time.monotonic() - t0, 1), answers=answers,
+           heldout_shown={a: f"{sum(r['ok'] for r in rows)}/{len(rows)}" for a, rows in heldout.items()},
+           heldout=heldout)
+    sys.exit(0 if ok else 1)
 
 
 def step_canary(n: int) -> None:
     t0 = time.monotonic()
     r = run_requests(n)
-    ok = r["wrong_markers"] == 0 and r["errors"] == 0
+    ok = r["wrong"] == 0 and r["errors"] == 0
     result(ok=ok, step="canary", seconds=round(time.monotonic() - t0, 1), **r)
     sys.exit(0 if ok else 1)
 
 
 def step_midstream() -> None:
     st = state()
-    alias = sorted(st["markers"])[0]
-    body = {"model": alias, "messages": MSG, "max_tokens": 1800, "ignore_eos": True, "temperature": 0,
+    alias = sorted(st["aliases"])[0]
+    body = {"model": alias, "messages": [{"role": "user", "content": st["aliases"][alias]["example_prompt"]}],
+            "max_tokens": 1800, "ignore_eos": True, "temperature": 0,
             "stream": True}
     chunks = 0
     t0 = time.monotonic()
@@ -207,14 +234,14 @@ def step_midstream() -> None:
     sys.exit(0 if ok else 1)
 
 
-def step_failover(rid: str, n: int = 24) -> None:
+def step_failover(rid: str, n: int = 12) -> None:
     t0 = time.monotonic()
     # requests right after the kill: the router fails over before the first byte
     first = run_requests(n)
     wait_for(lambda: router_health().get("replicas_healthy") == REPLICAS - 1, 30, f"{rid} out of the router's health")
     taken_out_s = round(time.monotonic() - t0, 1)
     after = run_requests(n)
-    ok = (first["wrong_markers"] == 0 and first["errors"] == 0 and after["wrong_markers"] == 0
+    ok = (first["wrong"] == 0 and first["errors"] == 0 and after["wrong"] == 0
           and after["errors"] == 0 and rid not in after["by_replica"])
     result(ok=ok, step="failover", killed=rid, right_after_kill=first, out_of_routing_after_s=taken_out_s,
            after_out_of_routing=after)
@@ -226,16 +253,16 @@ def step_rejoin(rid: str) -> None:
     wait_for(lambda: router_health().get("replicas_healthy") == REPLICAS, 240, f"{rid} back in the router's health")
     healthy_s = round(time.monotonic() - t0, 1)
     served = {}
-    total = {"requests": 0, "wrong_markers": 0, "errors": 0}
+    total = {"requests": 0, "wrong": 0, "errors": 0}
     while time.monotonic() - t0 < 300:
-        r = run_requests(16, concurrency=8)
+        r = run_requests(8, concurrency=8)
         for k in total:
             total[k] += r[k]
         for k, v in r["by_replica"].items():
             served[k] = served.get(k, 0) + v
         if served.get(rid):
             break
-    ok = bool(served.get(rid)) and total["wrong_markers"] == 0 and total["errors"] == 0
+    ok = bool(served.get(rid)) and total["wrong"] == 0 and total["errors"] == 0
     result(ok=ok, step="rejoin", replica=rid, healthy_after_s=healthy_s,
            serving_after_s=round(time.monotonic() - t0, 1), by_replica=served, **total)
     sys.exit(0 if ok else 1)
@@ -253,15 +280,22 @@ def step_prometheus() -> None:
     groups = httpx.get(f"{PROMETHEUS}/api/v1/rules", timeout=5).json()["data"]["groups"]
     loaded = {r["name"] for g in groups for r in g["rules"]}
     unhealthy = [r["name"] for g in groups for r in g["rules"] if r.get("health") not in ("ok", "unknown")]
-    paged = httpx.get(f"{PROMETHEUS}/api/v1/query", params={"query": "lorafarm_decode_attention_paged"},
-                      timeout=5).json()["data"]["result"]
-    paged = {s["metric"].get("instance"): float(s["value"][1]) for s in paged}
+
+    def query(q: str) -> dict[str, float]:
+        res = httpx.get(f"{PROMETHEUS}/api/v1/query", params={"query": q}, timeout=5).json()["data"]["result"]
+        return {s["metric"].get("instance"): float(s["value"][1]) for s in res}
+
+    paged = query("lorafarm_decode_attention_paged")
+    # the C decode step ran on both replicas (scraped every 5 s: wait for the latest counts)
+    steps_c = wait_for(lambda: (lambda v: v if len(v) == 2 and all(x > 0 for x in v.values()) else None)(
+        query('lorafarm_decode_steps_c{job="replica"}')), 30, "lorafarm_decode_steps_c > 0 on both replicas", interval=2)
     alerts = [a["labels"]["alertname"] for a in
               httpx.get(f"{PROMETHEUS}/api/v1/alerts", timeout=5).json()["data"]["alerts"]]
     ok = want <= loaded and not unhealthy
     result(ok=ok, step="prometheus", targets={t["labels"]["instance"]: t["health"] for t in active},
            rules_in_file=len(want), rules_loaded=len(loaded), missing=sorted(want - loaded),
-           unhealthy_rules=unhealthy, alerts_firing_or_pending=alerts, decode_attention_paged=paged)
+           unhealthy_rules=unhealthy, alerts_firing_or_pending=alerts, decode_steps_c=steps_c,
+           decode_attention_paged=paged)
     sys.exit(0 if ok else 1)
 
 
@@ -271,8 +305,10 @@ def main(argv: list[str]) -> None:
         step_wait()
     elif step == "seed":
         step_seed()
+    elif step == "demo":
+        step_demo()
     elif step == "canary":
-        step_canary(int(args[0]) if args else 40)
+        step_canary(int(args[0]) if args else 16)
     elif step == "midstream":
         step_midstream()
     elif step == "failover":

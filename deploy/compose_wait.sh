@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wait until the compose farm is up: the init step exited 0 and every long-running container is
+# Wait until the compose farm is up: the init and seed steps exited 0 and every long-running container is
 # healthy (their HEALTHCHECKs: /health of registry, router, replicas; pg_isready; moto; Prometheus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +29,8 @@ while :; do
     if [ "${#pending[@]}" = 0 ]; then
         echo "compose_wait: every container up and healthy after $((SECONDS - t0)) s" >&2
         "${DC[@]}" ps >&2
+        # the seed step's tenant, API key and a chat to try (deploy/compose/seed.py)
+        "${DC[@]}" logs --no-color seed 2>/dev/null | sed -n 's/^.*| seed: /compose_wait: /p' >&2 || true
         exit 0
     fi
     if [ $((SECONDS - t0)) -ge "$timeout" ]; then

@@ -1,16 +1,11 @@
 #!/bin/sh
 # The compose farm's init step (service `init`, runs to completion before the farm starts):
-# the dev model and dev encoder on the `models` volume, the archive signing key pair on `keys`
-# (the public half copied to /models/trust/, the only part replicas see), the S3 bucket on the moto server.
+# the dev encoder on the `models` volume (the embedding worker's model; the chat model, SmolLM2-135M-
+# Instruct, is in the image), the archive signing key pair on `keys` (the public half copied to
+# /models/trust/, the only part replicas see), the S3 bucket on the moto server.
 # Everything is made once and reused on the next `make compose-up`.
 set -eu
-M=/models/lorafarm-dev-tiny
 E=/models/lorafarm-dev-embed
-if [ ! -s "$M/model.safetensors" ]; then
-    echo "init: generating the dev model in $M"
-    lorafarm devmodel --out "$M" --force
-fi
-echo "init: base hash $(lorafarm archive basehash "$M")"
 if [ ! -s "$E/modules.json" ]; then
     echo "init: generating the dev embedding model in $E"
     lorafarm devmodel --kind embedding --out "$E" --force
