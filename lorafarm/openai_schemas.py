@@ -108,6 +108,21 @@ def _test_killer(raw: bytes | dict) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# -- test-only fault: a version whose requests fail -------------------------------------------------
+# Set only in test farms (tests/e2e/test_rollout.py): a replica answers every request for an adapter
+# id listed here (comma-separated) with a 500, as a broken fine-tune would, so that a rollout of it
+# must roll back. Only exact adapter ids (ad- + 20 hex) match; unset (production): no effect.
+TEST_FAILING_ADAPTER_ENV = "LORAFARM_TEST_FAILING_ADAPTER"
+
+
+def _test_failing_adapter(data: dict) -> None:
+    ids = os.environ.get(TEST_FAILING_ADAPTER_ENV)
+    model = data.get("model") if ids else None
+    if isinstance(model, str) and re.fullmatch(r"ad-[0-9a-f]{20}", model) and model in ids.split(","):
+        raise OpenAIError(500, f"test fault: requests for {model} fail ({TEST_FAILING_ADAPTER_ENV})",
+                          type="server_error", code="test_fault")
+
+
 class OpenAIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
@@ -472,6 +487,7 @@ def parse_request(model: type[_SamplingFields], raw: bytes | dict) -> Any:
     where = lone_surrogate_path(data)
     if where is not None:
         raise OpenAIError(400, lone_surrogate_message(where), param=where, code=LONE_SURROGATE_CODE)
+    _test_failing_adapter(data)
     _unsupported(data, CHAT_UNSUPPORTED if model is ChatCompletionRequest else COMPLETION_UNSUPPORTED)
     try:
         return model.model_validate(data)

@@ -2,7 +2,8 @@
 
 The lifespan opens the database (running the Alembic migrations), the object store and the
 signing key, hashes the configured base models, and keeps them on `app.state.registry`; a
-background task marks silent replicas down and lets owner counts of cooling adapters fall.
+background task marks silent replicas down and lets owner counts of cooling adapters fall; another
+drives the running rollouts (registry/rollout.py).
 """
 
 from __future__ import annotations
@@ -130,13 +131,17 @@ def create_app(settings: RegistrySettings | None = None) -> Litestar:
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         ctx = await open_context(settings)
         app.state.registry = ctx
+        from registry.rollout import RolloutDriver
+
         sweeper = asyncio.create_task(ctx.sweep_forever(), name="registry-sweep")
+        driver = asyncio.create_task(RolloutDriver(ctx).run_forever(), name="registry-rollouts")
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in (sweeper, driver):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await close_context(ctx)
 
     @get("/health", summary="Liveness (no token needed)", tags=["health"], security=[{}])

@@ -27,6 +27,14 @@ def who(request) -> tuple[str, str | None]:
 def record(session, request, action: str, target_kind: str, target: str, **detail) -> AuditEntry:
     """Add the audit row of a change to the open write transaction `session`; log it once it commits."""
     actor, client = who(request)
+    return record_as(session, actor, client, action, target_kind, target, **detail)
+
+
+def record_as(session, actor: str, client: str | None, action: str, target_kind: str, target: str,
+              **detail) -> AuditEntry:
+    """`record` for a change the registry makes itself (a rollout step, promotion or rollback):
+    `actor` names it (e.g. `rollout 12 (started by alice@host)`)."""
+    actor = actor[:255]
     row = AuditEntry(at=utcnow(), actor=actor, client=client, action=action, target_kind=target_kind,
                      target=target, detail={k: v for k, v in detail.items() if v is not None})
     session.add(row)

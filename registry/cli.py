@@ -1,6 +1,8 @@
 """`lorafarm registry` (serve the control plane) and the admin commands that talk to a running
 registry: `lorafarm tenants create NAME`, `lorafarm adapters upload PEFT_DIR --tenant T [--alias A]`,
-`lorafarm aliases set ALIAS ADAPTER_ID`, `lorafarm aliases rollback ALIAS`.
+`lorafarm aliases set ALIAS ADAPTER_ID`, `lorafarm aliases rollback ALIAS`, and the progressive
+deploys of issue 38: `lorafarm aliases split|promote|rollout|rollouts|rollout-abort|metrics|versions`.
+Every admin command goes through the Python client (`lorafarm.client.LorafarmClient`).
 
 Admin commands take the registry URL and admin token from --registry-url / --admin-token, else
 $LORAFARM_REGISTRY_URL / $LORAFARM_ADMIN_TOKEN, else farm.json (--farm, $LORAFARM_FARM_JSON,
@@ -9,7 +11,6 @@ $LORAFARM_REGISTRY_URL / $LORAFARM_ADMIN_TOKEN, else farm.json (--farm, $LORAFAR
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 
@@ -60,6 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--rank-limit must be at least 1")
     if args.owners_k < 1:
         raise CliError("--owners-k must be at least 1")
+    if not args.rollout_tick > 0:
+        raise CliError("--rollout-tick must be positive")
     if args.replica_capacity <= 0 or args.replica_timeout <= 0:
         raise CliError("--replica-capacity and --replica-timeout must be positive")
     settings = RegistrySettings.from_env(
@@ -74,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         owners_k=args.owners_k,
         replica_capacity_tokens_per_s=args.replica_capacity,
         replica_timeout_s=args.replica_timeout,
+        rollout_tick_s=args.rollout_tick,
     )
     if not settings.admin_token:
         settings.admin_token = _admin_token(settings.state_dir)
@@ -102,25 +106,23 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _client(args):
-    from lorafarm.registry_client import RegistryClient
+    from lorafarm.client import LorafarmClient
     from lorafarm.settings import registry_connection
 
     url, token = registry_connection(args.registry_url, args.admin_token, args.farm)
     if not token:
         raise CliError("no admin token: pass --admin-token, set LORAFARM_ADMIN_TOKEN, or run `lorafarm up` (farm.json)")
-    return RegistryClient(url, token)
+    return LorafarmClient(url, token)
 
 
 def _call(args, fn):
-    from lorafarm.registry_client import RegistryError
-
-    async def run():
-        async with _client(args) as reg:
-            return await fn(reg)
+    """`fn(client)` with the blocking client; a registry error becomes a one-line CLI error."""
+    from lorafarm.client import LorafarmError
 
     try:
-        return asyncio.run(run())
-    except RegistryError as e:
+        with _client(args) as reg:
+            return fn(reg)
+    except LorafarmError as e:
         raise CliError(e.message if e.status == 0 else f"{e.message} (HTTP {e.status})") from None
 
 
@@ -253,7 +255,7 @@ def _adapters_upload(args) -> int:
             raise CliError(f"--trained-on: {e}") from None
     out = _call(args, lambda reg: reg.upload_adapter(args.peft_dir, args.tenant, alias=args.alias,
                                                       base_model=args.base_model, base_model_hash=base_hash,
-                                                      assume_base=args.assume_base))
+                                                      assume_base=args.assume_base, tags=dict(args.tag) or None))
     note = "registered" if out.get("created", True) else "already registered"
     alias = f"; alias {out['alias']}" if out.get("alias") else ""
     print(f"{note}: rank {out['rank']}, {out['size_bytes']} bytes, {out['weights_uri']}{alias}", file=sys.stderr)
@@ -261,20 +263,171 @@ def _adapters_upload(args) -> int:
     return 0
 
 
+def _tag(value: str) -> tuple[str, object]:
+    key, sep, raw = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{value!r} is not KEY=VALUE")
+    import math
+
+    for cast in (int, float):
+        try:
+            number = cast(raw)
+        except ValueError:
+            continue
+        if math.isfinite(number):
+            return key, number
+    return key, raw
+
+
 def _adapters_list(args) -> int:
     print(json.dumps(_call(args, lambda reg: reg.list_adapters(args.tenant)), indent=1))
     return 0
 
 
+def _show_alias(out) -> None:
+    split = out.get("split")
+    target = " / ".join(f"{t['adapter_id']} {t['weight']:g}%" for t in split) if split else out["adapter_id"]
+    print(f"{out['alias']} -> {target} (previous: {out['previous_adapter_id'] or 'none'})")
+
+
 def _aliases_set(args) -> int:
-    out = _call(args, lambda reg: reg.set_alias(args.alias, args.adapter_id))
-    print(f"{out['alias']} -> {out['adapter_id']} (previous: {out['previous_adapter_id'] or 'none'})")
+    _show_alias(_call(args, lambda reg: reg.set_alias(args.alias, args.adapter_id)))
     return 0
 
 
 def _aliases_rollback(args) -> int:
-    out = _call(args, lambda reg: reg.rollback_alias(args.alias))
-    print(f"{out['alias']} -> {out['adapter_id']} (previous: {out['previous_adapter_id'] or 'none'})")
+    _show_alias(_call(args, lambda reg: reg.rollback_alias(args.alias)))
+    return 0
+
+
+def _split_target(value: str) -> tuple[str, float]:
+    adapter_id, sep, weight = value.rpartition("=")
+    try:
+        w = float(weight)
+    except ValueError:
+        w = float("nan")
+    if not sep or not adapter_id or not 0 < w <= 100:
+        raise argparse.ArgumentTypeError(f"{value!r} is not ADAPTER_ID=PERCENT (e.g. ad-...=10)")
+    return adapter_id, w
+
+
+def _aliases_split(args) -> int:
+    _show_alias(_call(args, lambda reg: reg.split_alias(args.alias, args.targets)))
+    return 0
+
+
+def _aliases_promote(args) -> int:
+    _show_alias(_call(args, lambda reg: reg.promote_alias(args.alias, args.adapter_id)))
+    return 0
+
+
+def _steps(value: str) -> list[int]:
+    try:
+        steps = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list of percents like 10,50,100") from None
+    if not steps:
+        raise argparse.ArgumentTypeError("give the steps as percents, e.g. 10,50,100")
+    return steps
+
+
+def _duration(value: str) -> float:
+    from lorafarm.client import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _show_rollout(r, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps(r, indent=1))
+        return
+    steps = ",".join(str(x) for x in r["steps"])
+    line = (f"rollout {r['rollout_id']} of {r['alias']}: {r['old_adapter_id']} -> {r['new_adapter_id']} "
+            f"{r['state']} at {r['percent']}% (steps {steps}, every {r['interval_s']:g} s)")
+    print(line)
+    if r.get("reason"):
+        print(f"  {r['reason']}")
+    elif (r.get("last_evaluation") or {}).get("reason"):
+        print(f"  {r['last_evaluation']['reason']}")
+
+
+def _aliases_rollout(args) -> int:
+    bounds = {"max_error_rate_increase": args.max_error_rate_increase, "max_ttft_p95_ratio": args.max_ttft_ratio,
+              "ttft_slack_s": args.ttft_slack, "min_requests": args.min_requests,
+              "min_ttft_samples": args.min_ttft_samples}
+
+    def run(reg):
+        r = reg.start_rollout(args.alias, args.adapter_id, steps=args.steps, interval=args.interval, bounds=bounds)
+        _show_rollout(r, args.json)
+        if args.wait:
+            r = reg.wait_rollout(r["rollout_id"], poll_s=min(5.0, max(0.5, args.interval / 10)))
+            _show_rollout(r, args.json)
+        return r
+
+    r = _call(args, run)
+    return 0 if not args.wait or r["state"] == "promoted" else 1
+
+
+def _aliases_rollouts(args) -> int:
+    rows = _call(args, lambda reg: reg.list_rollouts(args.alias, args.state, args.limit))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        _show_rollout(r)
+    return 0
+
+
+def _running_rollout(reg, alias: str):
+    from lorafarm.client import NotFoundError
+
+    rows = reg.list_rollouts(alias, "running", 1)
+    if not rows:
+        raise NotFoundError(404, f"no rollout is running on {alias}")
+    return rows[0]
+
+
+def _aliases_rollout_abort(args) -> int:
+    _show_rollout(_call(args, lambda reg: reg.abort_rollout(_running_rollout(reg, args.alias)["rollout_id"])))
+    return 0
+
+
+def _aliases_metrics(args) -> int:
+    out = _call(args, lambda reg: reg.alias_metrics(args.alias, window_s=None if args.step else args.window,
+                                                    rollout_step=args.step))
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{out['alias']} from {out['since']} to {out['until']}")
+    if not out["versions"]:
+        print("  no traffic counted (routers count the versions of split aliases and push every stats window)")
+    for aid, v in out["versions"].items():
+        def pct(x):
+            return "-" if x is None else f"{100 * x:.2f}%"
+
+        def ms(x):
+            return "-" if x is None else f"{1000 * x:.0f} ms"
+
+        kinds = ",".join(f"{k}={n}" for k, n in v["error_kinds"].items()) or "-"
+        print(f"  {aid}: {v['requests']} requests, errors {v['errors']} ({pct(v['error_rate'])}; {kinds}), "
+              f"cancels {pct(v['cancel_rate'])}, TTFT p50 {ms(v['ttft_p50_s'])} p95 {ms(v['ttft_p95_s'])} "
+              f"({v['ttft_count']} streamed), tokens {v['prompt_tokens']}+{v['completion_tokens']}, "
+              f"finish {v['finish_reasons'] or '-'}")
+    return 0
+
+
+def _aliases_versions(args) -> int:
+    rows = _call(args, lambda reg: reg.versions(args.alias))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for v in rows:
+        a = v["adapter"]
+        tags = " ".join(f"{k}={val}" for k, val in sorted((a.get("tags") or {}).items()))
+        print(f"v{a['version']}\t{a['adapter_id']}\t{v['role']}\t{v['weight']:g}%\t{a['status']}\t{tags}".rstrip())
     return 0
 
 
@@ -366,6 +519,8 @@ def register(sub) -> None:
     p.add_argument("--replica-capacity", type=float, default=640.0,
                    help="tokens/s one replica serves of one adapter; owner counts grow past it (default 640)")
     p.add_argument("--replica-timeout", type=float, default=30.0, help="seconds without heartbeat before down (30)")
+    p.add_argument("--rollout-tick", type=float, default=1.0,
+                   help="seconds between evaluations of the running rollouts (default 1)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.set_defaults(func=_serve)
 
@@ -419,6 +574,8 @@ def register(sub) -> None:
                          help="the base folder it was trained on (its hash is sent)")
     trained.add_argument("--assume-base", action="store_true",
                          help="no base hash: trust that the adapter was trained on the chosen base")
+    p.add_argument("--tag", action="append", default=[], type=_tag, metavar="KEY=VALUE",
+                   help="kept with the version (run name, step, eval metrics...); repeatable")
     _connection_flags(p)
     p.set_defaults(func=_adapters_upload)
     from loadtests.cli import add_synth_parser
@@ -449,6 +606,59 @@ def register(sub) -> None:
     p.add_argument("alias")
     _connection_flags(p)
     p.set_defaults(func=_aliases_get)
+    p = aliases.add_parser("split", help="split ALIAS's traffic by weight: ADAPTER_ID=PERCENT ... (summing to 100)")
+    p.add_argument("alias")
+    p.add_argument("targets", nargs="+", type=_split_target, metavar="ADAPTER_ID=PERCENT")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_split)
+    p = aliases.add_parser("promote", help="end ALIAS's split: all traffic to ADAPTER_ID (default: the split's other "
+                           "version)")
+    p.add_argument("alias")
+    p.add_argument("adapter_id", nargs="?", default=None)
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_promote)
+    p = aliases.add_parser("rollout", help="progressive deploy of NEW on ALIAS, run by the registry: promoted step by "
+                           "step while within bounds, rolled back automatically when not")
+    p.add_argument("alias")
+    p.add_argument("adapter_id", metavar="NEW", help="the new version (adapter id)")
+    p.add_argument("--steps", type=_steps, default=[10, 50, 100], help="percent of traffic per step (default "
+                   "10,50,100; the last is 100: the promotion)")
+    p.add_argument("--interval", type=_duration, default=300.0, help="each step lasts at least this (30s, 5m, 1h; "
+                   "default 5m)")
+    p.add_argument("--max-error-rate-increase", type=float, default=None, metavar="F",
+                   help="new error rate <= old + F (default 0.02)")
+    p.add_argument("--max-ttft-ratio", type=float, default=None, metavar="R",
+                   help="new p95 TTFT <= old p95 x R + slack (default 1.5)")
+    p.add_argument("--ttft-slack", type=_duration, default=None, metavar="S", help="added to the TTFT bound (0.05s)")
+    p.add_argument("--min-requests", type=int, default=None, metavar="N",
+                   help="requests on the new version in a step before promoting or failing it (default 50)")
+    p.add_argument("--min-ttft-samples", type=int, default=None, metavar="N",
+                   help="streamed requests per version before the TTFT bound is judged (default 30)")
+    p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only when promoted")
+    p.add_argument("--json", action="store_true")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_rollout)
+    p = aliases.add_parser("rollouts", help="rollouts, newest first (optionally of ALIAS)")
+    p.add_argument("alias", nargs="?", default=None)
+    p.add_argument("--state", default=None, choices=["running", "promoted", "rolled_back", "aborted"])
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_rollouts)
+    _command(aliases, "rollout-abort", "stop the rollout running on ALIAS (all traffic back to the old version)",
+             _aliases_rollout_abort, "alias")
+    p = aliases.add_parser("metrics", help="per-version traffic of ALIAS (requests, errors, TTFT, tokens, cancels)")
+    p.add_argument("alias")
+    p.add_argument("--window", type=_duration, default=300.0, help="over the last WINDOW (default 5m)")
+    p.add_argument("--step", action="store_true", help="over the running rollout's current step")
+    p.add_argument("--json", action="store_true")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_metrics)
+    p = aliases.add_parser("versions", help="the versions of ALIAS's tenant and their role and share in ALIAS")
+    p.add_argument("alias")
+    p.add_argument("--json", action="store_true")
+    _connection_flags(p)
+    p.set_defaults(func=_aliases_versions)
 
     workers = _group(sub, "workers", "foreign workers: OpenAI-compatible servers or Ollama the router also routes to")
     p = workers.add_parser("add", help="register (or update) a foreign worker")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from litestar.datastructures import UploadFile
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from lorafarm.limits import WORKER_KEY_ENV_PATTERN
 
@@ -132,6 +133,8 @@ class AdapterOut(BaseModel):
     checksum: str = Field(description="sha256 of the signed .lar archive")
     status: str
     created_at: datetime
+    tags: dict[str, Any] = Field(default_factory=dict, description="what the training job said about this "
+                                 "version (run name, step, eval metrics...)")
 
 
 class AdapterUploaded(AdapterOut):
@@ -150,6 +153,7 @@ class AdapterUploadForm:
     base_model_hash: str | None = None  # the base the adapter was trained on (`lorafarm archive basehash DIR`)
     assume_base: str | None = None  # "true": no hash sent, the caller vouches it matches the chosen base
     version: str | None = None
+    tags: str | None = None  # a JSON object of scalars: run name, step, eval metrics... (kept with the version)
     files: list[UploadFile] | None = None
     archive: UploadFile | None = None
 
@@ -161,12 +165,129 @@ class AliasSet(_In):
     adapter_id: str = Field(pattern=ADAPTER_ID_PATTERN)
 
 
+class SplitTargetIn(_In):
+    adapter_id: str = Field(pattern=ADAPTER_ID_PATTERN)
+    weight: float = Field(gt=0, le=100, description="percent of the alias's traffic")
+
+
+class AliasSplit(_In):
+    """A weighted split of an alias's traffic: weights are percents summing to 100."""
+
+    targets: list[SplitTargetIn] = Field(min_length=2, max_length=8)
+
+
+class AliasPromote(_In):
+    adapter_id: str | None = Field(default=None, pattern=ADAPTER_ID_PATTERN,
+                                   description="the version that gets all traffic (default: the split's "
+                                               "version other than the stable one)")
+
+
+class SplitTarget(BaseModel):
+    adapter_id: str
+    weight: float
+
+
 class AliasOut(BaseModel):
     alias: str
     tenant_id: str
-    adapter_id: str
+    adapter_id: str = Field(description="the stable version: all traffic without a split; a rollback keeps it")
     previous_adapter_id: str | None
     updated_at: datetime
+    split: list[SplitTarget] | None = Field(default=None, description="weighted split of the traffic; null: all "
+                                            "to adapter_id")
+    rollout_id: int | None = Field(default=None, description="the rollout running on this alias")
+
+
+# -- rollouts and per-version stats ----------------------------------------------------------------
+
+
+class RolloutBoundsIn(_In):
+    """registry/rollout_policy.py `Bounds`; a field left out keeps its default."""
+
+    max_error_rate_increase: float | None = Field(default=None, ge=0, le=1)
+    max_ttft_p95_ratio: float | None = Field(default=None, ge=1, le=100)
+    ttft_slack_s: float | None = Field(default=None, ge=0, le=600)
+    min_requests: int | None = Field(default=None, ge=1, le=10**7)
+    min_ttft_samples: int | None = Field(default=None, ge=1, le=10**7)
+
+
+class RolloutCreate(_In):
+    alias: str = Field(pattern=ALIAS_PATTERN)
+    adapter_id: str = Field(pattern=ADAPTER_ID_PATTERN, description="the new version")
+    steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=2, max_length=20,
+                             description="percent of the traffic on the new version per step; increasing, the "
+                                         "last is 100 (the promotion)")
+    interval_s: float = Field(default=300.0, ge=0.1, le=86400, description="how long each step runs at least")
+    bounds: RolloutBoundsIn | None = None
+
+
+class RolloutOut(BaseModel):
+    rollout_id: int
+    alias: str
+    tenant_id: str
+    old_adapter_id: str
+    new_adapter_id: str
+    steps: list[int]
+    interval_s: float
+    bounds: dict[str, Any]
+    step_index: int
+    percent: int = Field(description="the new version's share of the traffic now")
+    step_started_at: datetime
+    state: str = Field(description="running | promoted | rolled_back | aborted")
+    reason: str | None
+    breached: str | None = Field(description="the bound a rollback breached: error_rate | ttft_p95")
+    last_evaluation: dict[str, Any]
+    actor: str
+    created_at: datetime
+    finished_at: datetime | None
+
+
+_COUNT = Field(default=0, ge=0, le=2**50)
+
+
+class VersionWindowIn(_In):
+    """One version's counts over a router's window (lorafarm.client.summary.VersionCounts)."""
+
+    alias: str = Field(min_length=1, max_length=255)
+    adapter_id: str = Field(min_length=1, max_length=32)
+    requests: int = _COUNT
+    errors: int = _COUNT
+    client_errors: int = _COUNT
+    cancels: int = _COUNT
+    prompt_tokens: int = _COUNT
+    completion_tokens: int = _COUNT
+    error_kinds: dict[str, int] = Field(default_factory=dict, max_length=64)
+    finish_reasons: dict[str, int] = Field(default_factory=dict, max_length=64)
+    ttft: dict[str, int] = Field(default_factory=dict, max_length=128, description="bucket index -> count")
+
+
+class VersionStatsIn(_In):
+    window_s: float = Field(gt=0, le=86400)
+    router_id: str | None = Field(default=None, max_length=64)
+    versions: list[VersionWindowIn] = Field(default_factory=list, max_length=100_000)
+
+
+class VersionSummaryOut(BaseModel):
+    requests: int
+    errors: int
+    error_rate: float | None
+    error_kinds: dict[str, int]
+    client_errors: int
+    cancels: int
+    cancel_rate: float | None
+    ttft_count: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reasons: dict[str, int]
+
+
+class AliasMetricsOut(BaseModel):
+    alias: str
+    since: datetime
+    until: datetime
+    versions: dict[str, VersionSummaryOut] = Field(description="adapter id -> its traffic over the span")
 
 
 # -- replicas and placements -------------------------------------------------------------------
@@ -219,6 +340,14 @@ class StatsIn(_In):
 class RoutingAlias(BaseModel):
     adapter_id: str
     tenant_id: str
+    split: list[SplitTarget] | None = None  # a weighted split (router/routing.py pick_version); left out when none
+
+    @model_serializer(mode="wrap")
+    def _without_empty_split(self, handler):
+        out = handler(self)
+        if out.get("split") is None:
+            out.pop("split", None)  # an alias without a split reads as it always did
+        return out
 
 
 class RoutingAdapter(BaseModel):

@@ -28,6 +28,8 @@ class RegistrySettings:
     deploy_wait_s: float = 2.0  # an alias change returns once long-polling routers applied it (at most this)
     sweep_interval_s: float = 2.0  # how often replica liveness and owner counts are re-evaluated
     max_upload_bytes: int = 2 * 1024**3
+    rollout_tick_s: float = 1.0  # how often running rollouts are evaluated (registry/rollout.py)
+    version_stats_retention_s: float = 2 * 86400.0  # version_stats rows older than this are pruned
     state_dir: str | os.PathLike = "var"
 
     def __post_init__(self) -> None:

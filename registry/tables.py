@@ -1,5 +1,6 @@
 """SQLModel tables of the registry: the seed's adapters, aliases, placements and adapter_stats, plus
-tenants, api_keys, replicas, workers (foreign servers), critical_models and the one-row registry_state (the routing table version).
+tenants, api_keys, replicas, workers (foreign servers), critical_models, the one-row registry_state (the routing table version),
+audit_log, and for progressive deploys (issue 38) rollouts and version_stats.
 
 The schema itself is created and evolved by the Alembic migrations in `registry/migrations/`
 (run at start-up); these classes must stay in step with them.
@@ -69,6 +70,8 @@ class Adapter(SQLModel, table=True):
     checksum: str = Field(sa_column=Column(String(80), nullable=False))
     content_checksum: str | None = Field(default=None, sa_column=Column(String(80), nullable=True))
     status: str = Field(default="active", sa_column=Column(String(16), nullable=False))
+    # what the training job said about this version (run name, step, eval metrics...): a flat object
+    tags: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     owners_k: int = Field(default=2, sa_column=Column(Integer, nullable=False))
     load_tokens_per_s: float = Field(default=0.0, sa_column=Column(Float, nullable=False))
     load_updated_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
@@ -76,6 +79,11 @@ class Adapter(SQLModel, table=True):
 
 
 class Alias(SQLModel, table=True):
+    """`adapter_id` is the stable version: all the traffic when `split` is null; with a split
+    (`[{adapter_id, weight}]`, weights in percent summing to 100, adapter_id among them) the
+    router assigns each request (sticky per end user) by weight, and a rollback returns all
+    traffic to `adapter_id`."""
+
     __tablename__ = "aliases"
 
     alias: str = Field(sa_column=Column(String(255), primary_key=True))
@@ -83,6 +91,7 @@ class Alias(SQLModel, table=True):
     adapter_id: str = Field(sa_column=Column(String(32), nullable=False))
     previous_adapter_id: str | None = Field(default=None, sa_column=Column(String(32), nullable=True))
     updated_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
+    split: list | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class Placement(SQLModel, table=True):
@@ -174,4 +183,49 @@ class AuditEntry(SQLModel, table=True):
     detail: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
 
 
-ALL_TABLES = [Tenant, ApiKey, Adapter, Alias, Placement, AdapterStat, Replica, Worker, CriticalModel, RegistryState, AuditEntry]
+class Rollout(SQLModel, table=True):
+    """A progressive deploy of `new_adapter_id` on `alias` (registry/rollout.py drives it; the
+    decision is registry/rollout_policy.py). `active_alias` is the alias while the rollout runs and
+    null once it ended: its unique constraint is the "one running rollout per alias" rule, on
+    SQLite and PostgreSQL alike (nulls never collide)."""
+
+    __tablename__ = "rollouts"
+
+    rollout_id: int | None = Field(default=None, sa_column=Column(Integer, primary_key=True, autoincrement=True))
+    alias: str = Field(sa_column=Column(String(255), nullable=False, index=True))
+    active_alias: str | None = Field(default=None, sa_column=Column(String(255), nullable=True, unique=True))
+    tenant_id: str = Field(sa_column=Column(String(63), nullable=False))
+    old_adapter_id: str = Field(sa_column=Column(String(32), nullable=False))
+    new_adapter_id: str = Field(sa_column=Column(String(32), nullable=False))
+    steps: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))  # percent per step
+    interval_s: float = Field(sa_column=Column(Float, nullable=False))
+    bounds: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    step_index: int = Field(default=0, sa_column=Column(Integer, nullable=False))
+    step_started_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
+    state: str = Field(default="running", sa_column=Column(String(16), nullable=False))  # running|promoted|rolled_back|aborted
+    reason: str | None = Field(default=None, sa_column=Column(String(1024), nullable=True))
+    breached: str | None = Field(default=None, sa_column=Column(String(32), nullable=True))
+    last_evaluation: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    actor: str = Field(sa_column=Column(String(255), nullable=False))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
+    updated_at: datetime = Field(default_factory=utcnow, sa_column=_ts())
+    finished_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class VersionStat(SQLModel, table=True):
+    """One stats window a router counted for one version of a split alias
+    (`lorafarm.client.summary.VersionCounts`, pushed to POST /internal/stats/versions)."""
+
+    __tablename__ = "version_stats"
+
+    id: int | None = Field(default=None, sa_column=Column(Integer, primary_key=True, autoincrement=True))
+    alias: str = Field(sa_column=Column(String(255), nullable=False, index=True))
+    adapter_id: str = Field(sa_column=Column(String(32), nullable=False))
+    window_start: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False, index=True))
+    window_end: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    router_id: str | None = Field(default=None, sa_column=Column(String(64), nullable=True))
+    counts: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+ALL_TABLES = [Tenant, ApiKey, Adapter, Alias, Placement, AdapterStat, Replica, Worker, CriticalModel, RegistryState,
+              AuditEntry, Rollout, VersionStat]

@@ -12,7 +12,11 @@ its alias and its id put each deployed adapter in the list twice.)
 
 Resolution: a tenant reaches its own aliases, its own adapter ids and the base models; anything
 else, existing or not, is `model_not_found` (the same answer either way, so a tenant cannot probe
-for another's names).
+for another's names). An alias with a traffic split (issue 38) resolves to one of its split's
+versions per request, weight-proportionally, sticky per end user when the caller passes one
+(`router.routing.pick_version`); a version of the split that is not active (disabled since) is never
+chosen: its share goes to the others, and to the stable version when none is left. It is listed under
+its stable version (`root`).
 
 Foreign workers add base models only: a name a worker lists that is one of the table's aliases or
 adapter ids (or has their shape: `router.workers` skips those) is neither listed nor resolved.
@@ -26,8 +30,9 @@ models have no known task and are not checked."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from router.routing import pick_version
 from router.view import ReplicaView, RoutingTable
 
 OWNED_BY = "lorafarm"
@@ -45,6 +50,7 @@ class Resolved:
     base_model_hash: str | None = None
     base_model_name: str | None = None
     owners_k: int = 2
+    split: bool = False  # resolved through an alias's traffic split (per-version metrics count it)
 
 
 class ModelNotFound(Exception):
@@ -164,13 +170,21 @@ class Catalog:
 
     # -- resolution -------------------------------------------------------------------------
 
-    def resolve(self, tenant_id: str, model: str) -> Resolved:
+    def resolve(self, tenant_id: str, model: str, user: str | None = None, rng=None) -> Resolved:
+        """`user`: the end user the request names (OpenAI `user`, x-lorafarm-user): a split alias
+        gives the same user the same version; without one each request is drawn (`rng`)."""
         self._refresh()
         table: RoutingTable = self.view.table
         alias = table.aliases.get(model)
         if alias is not None:
             if alias.get("tenant_id") != tenant_id:
                 raise ModelNotFound(model)
+            split = table.splits.get(model)
+            if split:
+                live = tuple((a, w) for a, w in split if _active(table.adapters.get(a) or {"status": "deleted"}))
+                if live:
+                    chosen = pick_version(model, live, user, rng)
+                    return replace(self._adapter(tenant_id, model, chosen, alias=model), split=True)
             return self._adapter(tenant_id, model, str(alias.get("adapter_id") or ""), alias=model)
         if model in table.adapters:
             return self._adapter(tenant_id, model, model)

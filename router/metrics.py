@@ -4,11 +4,18 @@ Each app gets its own CollectorRegistry, so several routers can live in one proc
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from lorafarm.client.summary import VersionCounts
 from router.routing import ReplicaSnapshot
+
+log = logging.getLogger("lorafarm.router.metrics")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -133,6 +140,7 @@ class RouterMetrics:
         self.registry_reachable = Gauge(
             "lorafarm_router_registry_reachable", "1 when the last routing-table poll reached the registry", registry=r
         )
+        self.versions = VersionMetrics(r)
 
     def observe_critical(self, holders: dict[str, int]) -> None:
         for (model,) in [k for k in list(self.critical_workers._metrics) if k[0] not in holders]:
@@ -180,3 +188,129 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# -- per-version metrics of split aliases (issue 38) ---------------------------------------------
+
+# what a request to one version of a split alias ended as (the `outcome` label)
+OK, ERROR, CLIENT_ERROR, CANCELLED = "ok", "error", "client_error", "cancelled"
+MAX_VERSION_SERIES = 4096  # (alias, version) pairs tracked per router process
+
+
+class VersionMetrics:
+    """Requests, errors by kind, TTFT, tokens, finish reasons and client cancels per (alias, version)
+    for aliases whose traffic is split (a rollout or `aliases split`), with `alias` and `version`
+    (the adapter id) labels. Only split aliases are tracked, so the series count follows the splits in
+    use, not the number of adapters. Besides the Prometheus series, the same counts are kept twice as
+    `VersionCounts`: since this router started (`summary()`, GET /internal/versions) and since the
+    last push to the registry (`push()`, every stats window), which is what a rollout judges."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        labels = ["alias", "version"]
+        self.requests = Counter(
+            "lorafarm_router_version_requests", "Requests to one version of a split alias, by outcome "
+            "(ok | error | client_error | cancelled)", [*labels, "outcome"], registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "lorafarm_router_version_errors", "Server-side failures of a version, by kind (upstream_5xx, "
+            "unavailable, replica_died, stream_error, timeout, upstream_429)", [*labels, "kind"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "lorafarm_router_version_time_to_first_token_seconds", "Time to first token of streamed requests, "
+            "per version of a split alias", labels, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "lorafarm_router_version_tokens", "Tokens per version of a split alias: kind prompt | completion",
+            [*labels, "kind"], registry=r,
+        )  # fmt: skip
+        self.finish_reasons = Counter(
+            "lorafarm_router_version_finish_reasons", "Choices finished per version, by finish_reason",
+            [*labels, "reason"], registry=r,
+        )  # fmt: skip
+        self.cancels = Counter(
+            "lorafarm_router_version_client_cancels", "Requests whose client went away before the answer was "
+            "complete, per version", labels, registry=r,
+        )  # fmt: skip
+        self.started_at = datetime.now(UTC)
+        self.total: dict[tuple[str, str], VersionCounts] = {}
+        self.window: dict[tuple[str, str], VersionCounts] = {}
+        self._window_started = time.monotonic()
+        self._push_failing = False  # warned once; quiet until a push succeeds
+
+    def _counts(self, key: tuple[str, str]) -> list[VersionCounts] | None:
+        if key not in self.total:
+            if len(self.total) >= MAX_VERSION_SERIES:
+                return None
+            self.total[key] = VersionCounts()
+        return [self.total[key], self.window.setdefault(key, VersionCounts())]
+
+    def record(self, alias: str, version: str, outcome: str, *, kind: str | None = None, ttft: float | None = None,
+               prompt_tokens: int = 0, completion_tokens: int = 0, finish_reasons: dict[str, int] | None = None) -> None:
+        """One request to `version` of the split `alias` ended with `outcome` (OK, ERROR with its
+        `kind`, CLIENT_ERROR, CANCELLED)."""
+        key = (alias, version)
+        counts = self._counts(key)
+        if counts is None:
+            return
+        self.requests.labels(alias, version, outcome).inc()
+        for c in counts:
+            c.requests += 1
+        if outcome == ERROR:
+            kind = kind or "error"
+            self.errors.labels(alias, version, kind).inc()
+            for c in counts:
+                c.add_error(kind)
+        elif outcome == CLIENT_ERROR:
+            for c in counts:
+                c.client_errors += 1
+        elif outcome == CANCELLED:
+            self.cancels.labels(alias, version).inc()
+            for c in counts:
+                c.cancels += 1
+        if ttft is not None:
+            self.ttft.labels(alias, version).observe(ttft)
+            for c in counts:
+                c.add_ttft(ttft)
+        if prompt_tokens:
+            self.tokens.labels(alias, version, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.tokens.labels(alias, version, "completion").inc(completion_tokens)
+        for reason, n in (finish_reasons or {}).items():
+            self.finish_reasons.labels(alias, version, reason).inc(n)
+        for c in counts:
+            c.prompt_tokens += max(0, prompt_tokens)
+            c.completion_tokens += max(0, completion_tokens)
+            if finish_reasons:
+                c.add_finish(finish_reasons)
+
+    def summary(self, alias: str | None = None) -> dict:
+        """Counts since this router started: {router_started_at, versions: [{alias, version, ...summary}]}."""
+        rows = [{"alias": a, "version": v, **c.summary()} for (a, v), c in sorted(self.total.items())
+                if alias is None or a == alias]
+        return {"since": self.started_at.isoformat(), "versions": rows}
+
+    async def push(self, send: Callable[[float, list[dict]], Awaitable[None]]) -> int:
+        """Send the counts since the last push (`send(window_s, rows)`); kept for the next push when
+        it fails. Returns the rows sent."""
+        window, self.window = self.window, {}
+        now = time.monotonic()
+        window_s = max(0.001, now - self._window_started)
+        if not window:
+            self._window_started = now
+            return 0
+        rows = [{"alias": a, "adapter_id": v, **c.to_wire()} for (a, v), c in sorted(window.items())]
+        try:
+            await send(round(window_s, 3), rows)
+        except Exception as e:
+            (log.debug if self._push_failing else log.warning)(
+                "version stats push to the registry failed (%s); keeping %d rows for the next window", e, len(rows))
+            self._push_failing = True
+            for key, c in window.items():
+                self.window.setdefault(key, VersionCounts()).merge(c)
+            raise
+        if self._push_failing:
+            log.info("version stats pushed to the registry again")
+            self._push_failing = False
+        self._window_started = now
+        return len(rows)

@@ -89,6 +89,7 @@ class ReplicaSnapshot:
     only_adapter: str | None = None  # a merged-mode replica: it serves this adapter and nothing else
     # foreign workers only: the models they report loaded (None: a lorafarm replica, whose base is loaded)
     loaded_models: frozenset[str] | None = None
+    started: bool = True  # False until its first state report reached this router (a replica still starting)
 
     def batch_queue(self) -> int:
         """Requests ahead of a new one in the engine's queue. Requests waiting for another adapter's
@@ -280,3 +281,40 @@ def _ranked(s: _Scored, route_class: str | None = None) -> RankedReplica:
         route_class=route_class or ROUTE_CLASS[s.klass],
         overloaded=s.overloaded,
     )
+
+
+# -- alias traffic splits (issue 38) -------------------------------------------------------------
+
+def _unit_hash(*parts: str) -> float:
+    """A uniform number in (0, 1) from the parts (sha256; the same everywhere, every run)."""
+    import hashlib
+
+    digest = hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).digest()
+    return (int.from_bytes(digest[:8], "big") + 0.5) / 2.0**64
+
+
+def pick_version(alias: str, split: Sequence[tuple[str, float]], user: str | None = None,
+                 rng: _random.Random | None = None) -> str:
+    """The version of a split alias that serves one request: weight-proportional.
+
+    With a `user` (the request's OpenAI `user` field or its x-lorafarm-user header) the choice is
+    sticky: weighted rendezvous hashing, the version with the highest weight / -ln(hash(alias, user,
+    version)) wins, which picks each version with probability weight / sum of weights, gives the same
+    user the same version for as long as the split stays, and when a version's weight grows only moves
+    users *to* it (a user on the canary at 10% stays on it at 50%). Without a user each request is
+    drawn independently from `rng`. Only versions of the split are ever returned."""
+    import math
+
+    items = [(a, float(w)) for a, w in split if w > 0]
+    if not items:
+        raise ValueError("an empty split")
+    if len(items) == 1:
+        return items[0][0]
+    if user is None:
+        r = (rng or _random).random() * sum(w for _, w in items)
+        for a, w in items:
+            r -= w
+            if r < 0:
+                return a
+        return items[-1][0]
+    return max(items, key=lambda aw: (aw[1] / -math.log(_unit_hash(alias, user, aw[0])), aw[0]))[0]

@@ -4,6 +4,7 @@ from registry.controllers.adapters import AdapterController
 from registry.controllers.aliases import AliasController
 from registry.controllers.audit import AuditController
 from registry.controllers.replicas import PlacementController, ReplicaController
+from registry.controllers.rollouts import RolloutController
 from registry.controllers.routing import RoutingController, StatsController
 from registry.controllers.tenants import AuthController, TenantController
 from registry.controllers.workers import CriticalModelController, WorkerController
@@ -13,6 +14,7 @@ CONTROLLERS = [
     AuthController,
     AdapterController,
     AliasController,
+    RolloutController,
     ReplicaController,
     PlacementController,
     StatsController,

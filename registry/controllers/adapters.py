@@ -22,6 +22,7 @@ from sqlalchemy import func, or_, select
 
 from archives.basehash import TRAINED_BASE_FILE
 from registry import audit
+from registry.alias_ops import split_ids
 from registry.context import RegistryContext
 from registry.controllers.aliases import apply_alias, check_alias_name
 from registry.controllers.common import adapter_out, admin_guard, errors, get_ctx, reject_unknown_query
@@ -207,6 +208,7 @@ class AdapterController(Controller):
             except ValueError:
                 raise ApiError(400, f"version {data.version!r} is not a positive integer", code="validation_error",
                                param="version") from None
+        tags = _parse_tags(data.tags)
         uploads = [u for u in (data.files or []) if u is not None and not isinstance(u, str)]
         if data.archive is not None and isinstance(data.archive, str):
             raise ApiError(400, "archive must be a file", code="validation_error", param="archive")
@@ -255,7 +257,7 @@ class AdapterController(Controller):
             if info.rank > s.rank_limit:
                 raise ApiError(422, f"rank {info.rank} is above the fleet limit {s.rank_limit}", code="rank_limit")
             response = await _store_and_register(ctx, request, folder, tenant_id, info, base_hash, base_config,
-                                                 version, alias, assumed=not trained)
+                                                 version, alias, assumed=not trained, tags=tags)
         if alias:
             await ctx.wait_for_routers()  # read-your-writes: routers serve the alias when this returns
         return response
@@ -279,12 +281,16 @@ class AdapterController(Controller):
             if row is None:
                 raise ApiError(404, f"no adapter {adapter_id}", code="adapter_not_found", param="adapter_id")
             users = (await session.execute(
-                select(Alias).where(or_(Alias.adapter_id == adapter_id, Alias.previous_adapter_id == adapter_id))
+                select(Alias).where(or_(Alias.adapter_id == adapter_id, Alias.previous_adapter_id == adapter_id,
+                                        Alias.tenant_id == row.tenant_id))
                 .order_by(Alias.alias)
             )).scalars().all()
+            users = [a for a in users if adapter_id in (a.adapter_id, a.previous_adapter_id) or adapter_id in split_ids(a)]
             if users:
                 uses = "; ".join(
-                    f"alias {a.alias} points to it" if a.adapter_id == adapter_id else f"alias {a.alias} rolls back to it"
+                    f"alias {a.alias} points to it" if a.adapter_id == adapter_id
+                    else f"alias {a.alias} splits traffic to it" if adapter_id in split_ids(a)
+                    else f"alias {a.alias} rolls back to it"
                     for a in users
                 )
                 raise ApiError(409, f"adapter {adapter_id} is in use: {uses}. Point the alias elsewhere "
@@ -462,8 +468,53 @@ async def _choose_base(ctx: RegistryContext, session, base_model: str | None) ->
                    code="base_model_required", param="base_model")
 
 
+MAX_TAGS = 64
+MAX_TAGS_BYTES = 8192
+
+
+def _parse_tags(raw: str | None) -> dict | None:
+    """The upload's `tags` field: a JSON object of at most 64 scalars (string keys up to 64
+    characters; values strings up to 256 characters, finite numbers, booleans or null), 8 KiB in all."""
+    import json
+    import math
+
+    if raw is None or not str(raw).strip():
+        return None
+
+    def bad(why: str) -> ApiError:
+        return ApiError(400, f"tags: {why}", code="validation_error", param="tags")
+
+    if len(raw.encode("utf-8", "surrogatepass")) > MAX_TAGS_BYTES:
+        raise bad(f"larger than {MAX_TAGS_BYTES} bytes")
+    try:
+        tags = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad("not valid JSON") from None
+    if not isinstance(tags, dict):
+        raise bad("must be a JSON object")
+    if len(tags) > MAX_TAGS:
+        raise bad(f"at most {MAX_TAGS} entries")
+    for k, v in tags.items():
+        if not k or len(k) > 64 or not k.isprintable():
+            raise bad(f"key {k[:64]!r}: 1 to 64 printable characters")
+        if isinstance(v, str):
+            if len(v) > 256 or "\x00" in v:
+                raise bad(f"{k}: a string value has at most 256 characters and no NUL")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise bad(f"{k}: numbers must be finite")
+        elif v is not None and not isinstance(v, (bool, int, float)):
+            raise bad(f"{k}: values are strings, numbers, booleans or null")
+        if isinstance(v, str) and lone_surrogate(v):
+            raise bad(f"{k}: not valid Unicode")
+    return tags
+
+
+def lone_surrogate(text: str) -> bool:
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
+
+
 async def _store_and_register(ctx, request, folder, tenant_id, info, base_hash, base_config, version, alias,
-                              *, assumed: bool = False) -> Response:
+                              *, assumed: bool = False, tags: dict | None = None) -> Response:
     """Build, sign and store the archive, then insert the row (and alias) in one transaction; on any
     failure after the object was written, delete it. Idempotent on (tenant, content)."""
     from archives.build import build_archive
@@ -488,7 +539,7 @@ async def _store_and_register(ctx, request, folder, tenant_id, info, base_hash, 
             if alias:
                 async with ctx.db.write() as session:
                     before = await session.get(Alias, alias)
-                    changed = before is None or before.adapter_id != adapter_id
+                    changed = before is None or before.adapter_id != adapter_id or before.split is not None
                     alias_row = await apply_alias(ctx, session, alias, adapter_id)
                     if changed:
                         audit.record(session, request, "alias.set", "alias", alias, adapter_id=adapter_id,
@@ -515,6 +566,7 @@ async def _store_and_register(ctx, request, folder, tenant_id, info, base_hash, 
             rank=info.rank, alpha=float(info.alpha), target_modules=sorted(set(info.target_modules)),
             size_bytes=size, weights_uri=ctx.store.uri_for(key), checksum=checksum,
             content_checksum=info.content_checksum, status="active", owners_k=s.owners_k, created_at=utcnow(),
+            tags=tags,
         )
         try:
             async with ctx.db.write() as session:
@@ -522,7 +574,7 @@ async def _store_and_register(ctx, request, folder, tenant_id, info, base_hash, 
                 await session.flush()
                 audit.record(session, request, "adapter.upload", "adapter", adapter_id, tenant_id=tenant_id,
                              version=version, base_model_hash=base_hash, base_assumed=assumed or None,
-                             checksum=checksum)
+                             checksum=checksum, tags=tags)
                 before = await session.get(Alias, alias) if alias else None
                 previous = before.adapter_id if before else None
                 alias_row = await apply_alias(ctx, session, alias, adapter_id) if alias else None

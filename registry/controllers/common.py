@@ -7,6 +7,7 @@ from litestar.datastructures import State
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi.datastructures import ResponseSpec
 
+from registry.alias_ops import split_of
 from registry.context import RegistryContext
 from registry.errors import ApiError
 from registry.schemas import ErrorBody
@@ -67,16 +68,19 @@ def adapter_out(row: Adapter) -> dict:
         "checksum": row.checksum,
         "status": row.status,
         "created_at": as_utc(row.created_at),
+        "tags": dict(row.tags or {}),
     }
 
 
-def alias_out(row: Alias) -> dict:
+def alias_out(row: Alias, rollout_id: int | None = None) -> dict:
     return {
         "alias": row.alias,
         "tenant_id": row.tenant_id,
         "adapter_id": row.adapter_id,
         "previous_adapter_id": row.previous_adapter_id,
         "updated_at": as_utc(row.updated_at),
+        "split": split_of(row),
+        "rollout_id": rollout_id,
     }
 
 

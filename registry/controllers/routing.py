@@ -16,7 +16,7 @@ from registry import placement
 from registry.context import RegistryContext
 from registry.controllers.common import admin_guard, errors, get_ctx, reject_unknown_query, replica_out
 from registry.controllers.workers import worker_out
-from registry.schemas import RoutingAdapter, RoutingAlias, RoutingTable, StatsIn
+from registry.schemas import RoutingAdapter, RoutingAlias, RoutingTable, StatsIn, VersionStatsIn
 from registry.tables import (
     Adapter,
     AdapterStat,
@@ -81,6 +81,15 @@ class StatsController(Controller):
                 await ctx.db.bump(session)
 
 
+    @post("/versions", status_code=204, responses=errors(413), request_max_body_size=64 * 1024**2,
+          summary="Per-version traffic of split aliases over the last window (router): what rollouts judge")
+    async def versions(self, ctx: RegistryContext, data: VersionStatsIn) -> None:
+        from registry.rollout import record_windows
+
+        if data.versions:
+            await record_windows(ctx, data.window_s, data.router_id, data.versions)
+
+
 class RoutingController(Controller):
     path = "/internal/routing"
     guards = [admin_guard]
@@ -121,7 +130,7 @@ class RoutingController(Controller):
             version = int((await session.execute(select(RegistryState.version).where(RegistryState.id == 1))).scalar_one())
             etag = f'"v{version}"'
             aliases = (await session.execute(
-                select(Alias.alias, Alias.adapter_id, Alias.tenant_id, Alias.previous_adapter_id))).all()
+                select(Alias.alias, Alias.adapter_id, Alias.tenant_id, Alias.previous_adapter_id, Alias.split))).all()
             adapters = (await session.execute(
                 select(Adapter.adapter_id, Adapter.tenant_id, Adapter.base_model_hash, Adapter.owners_k, Adapter.status)
             )).all()
@@ -148,10 +157,11 @@ class RoutingController(Controller):
         for r in replicas:
             if r.status == "up":
                 cands_by_base[r.base_model_hash] = cands_by_base.get(r.base_model_hash, 0) + 1
-        retired = {p for *_, p in aliases if p} - {ad for _, ad, _, _ in aliases}
+        in_use = {ad for _, ad, _, _, _ in aliases} | {str(x["adapter_id"]) for *_, sp in aliases for x in sp or ()}
+        retired = {p for _, _, _, p, _ in aliases if p} - in_use
         table = RoutingTable(
             version=version,
-            aliases={a: RoutingAlias(adapter_id=ad, tenant_id=t) for a, ad, t, _ in aliases},
+            aliases={a: RoutingAlias(adapter_id=ad, tenant_id=t, split=sp or None) for a, ad, t, _, sp in aliases},
             adapters={
                 a: RoutingAdapter(tenant_id=t, base_model_hash=h, status=st, retired=a in retired,
                                   owners_k=max(1, min(k, cands_by_base.get(h, 0))) if cands_by_base.get(h) else k)

@@ -17,7 +17,7 @@ ADMIN_TOKEN = "test-admin-token-0123456789"
 BASE_NAME = "lorafarm-dev-tiny"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
-REGISTRY_TABLES = ["audit_log", "registry_state", "replicas", "adapter_stats", "placements", "aliases", "adapters",
+REGISTRY_TABLES = ["rollouts", "version_stats", "audit_log", "registry_state", "replicas", "adapter_stats", "placements", "aliases", "adapters",
                    "api_keys", "tenants", "workers", "critical_models", "alembic_version"]
 
 

@@ -1,0 +1,2 @@
+"""Integrations of lorafarm with training libraries (each imported only when used):
+`lorafarm.integrations.transformers.LorafarmCallback` for `transformers.Trainer` and TRL's trainers."""
