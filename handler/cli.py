@@ -166,6 +166,9 @@ def register(sub) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=10.0,
                    help="on SIGTERM, seconds streams in flight get to finish (default 10; deploy/ sets it "
                         "above the longest stream)")
+    p.add_argument("--cache-dir", default=None,
+                   help="compile caches (C kernels, inductor), shared by a farm's replicas and reused across "
+                        "restarts (default $LORAFARM_CACHE_DIR, else ~/.cache/lorafarm)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_replica)
 
@@ -267,10 +270,10 @@ def _replica(args: argparse.Namespace) -> int:
         return 0
     from handler.serving.app import run  # lazy: the replica's app (litestar, the engine), not for `lorafarm --help`
 
-    # inductor's compiled kernels kept across runs (`lorafarm up` points it into its state dir)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-        os.environ.get("LORAFARM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "lorafarm"),
-        "inductor"))
+    # compiled kernels (C and inductor's) kept across restarts and shared by a farm's replicas
+    from handler.model import compile_cache  # lazy: imports torch, not for `lorafarm --help`
+
+    compile_cache.use(args.cache_dir)
     config = build_config(args)
     run(config, log_level=args.log_level)
     return 0

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 _compiled = None
 _compile_lock = threading.RLock()
 _probes: dict[tuple, "Probe"] = {}
+compile_seconds = 0.0  # spent in probes (compiling the kernel, or loading it from inductor's cache): a start phase
 
 
 def _flex_decode(q, k, v, kv_num, kv_idx, last_blk, tail, first_blk, head_skip, block_size: int):
@@ -261,9 +262,12 @@ def _cached(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows,
     device = torch.device(device)
     windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
     key = (str(device), dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed)
+    global compile_seconds
     with _compile_lock:  # one probe at a time: concurrent ones would compile twice (and skew times)
         if key not in _probes:
+            t0 = time.monotonic()
             _probes[key] = _probe(device, dtype, heads, kv_heads, head_dim, block_size, windows, rows, timed)
+            compile_seconds += time.monotonic() - t0
         return _probes[key]
 
 

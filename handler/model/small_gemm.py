@@ -7,9 +7,9 @@ reads each weight row once for all rows (past 8 rows, once per tile for every ch
 MKL up to 64 rows on 2 threads. Above MAX_ROWS (prefill) MKL's blocked GEMM is used as before.
 
 The kernel is compiled at first use with the system C compiler into a cache folder keyed by the
-source and flags ($LORAFARM_KERNEL_DIR, else ~/.cache/lorafarm/kernels), written atomically, and
-loaded with ctypes. Where it cannot be had (no compiler, no AVX2/FMA, another OS) or
-LORAFARM_SMALL_GEMM=0, `linear` is F.linear: the kernel is an optimisation, never a requirement.
+sources, compiler, architecture and flags ($LORAFARM_KERNEL_DIR, else the compile cache's kernels/:
+handler/model/compile_cache.py), written atomically, and loaded with ctypes. Where it cannot be had
+(no compiler, no AVX2/FMA, another OS) or LORAFARM_SMALL_GEMM=0, `linear` is F.linear: the kernel is an optimisation, never a requirement.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from handler.model import compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,17 @@ _fn = None  # its small-M linear, or False
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("LORAFARM_KERNEL_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "lorafarm" / "kernels"
+    env = os.environ.get(compile_cache.KERNEL_ENV)
+    return Path(env) if env else compile_cache.default_root() / "kernels"
+
+
+def _compiler_id(cc: str) -> str:
+    """The compiler's own version line: a cache shared between machines never mixes compilers."""
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (out.splitlines() or [""])[0]
 
 
 def _cpu_ok() -> bool:
@@ -68,7 +80,8 @@ def build(out_dir: Path | None = None) -> Path:
     # keyed by every source's bytes: a library built from other sources is never reused (and the C decode
     # step's ABI table is checked at load besides: handler/model/decode_step.py `abi_mismatch`)
     src = b"\0".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(src + "\0".join([cc, *FLAGS, *LIBS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + "\0".join([cc, _compiler_id(cc), platform.machine(), *FLAGS, *LIBS]).encode()
+                         ).hexdigest()[:16]
     d = out_dir or _cache_dir()
     lib = d / f"lorafarm_kernels-{key}.so"
     if lib.exists():

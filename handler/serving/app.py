@@ -23,6 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -35,9 +36,12 @@ from archives.store import open_store
 from handler.adapters.cache import AdapterLoadError, AdapterNotFoundError, CatalogSource, NoSource, RegistrySource
 from handler.adapters.retire import Retirer
 from handler.engine.fairness import clamp_weight
+from handler.model import paged_attention, small_gemm
+from handler.serving import holds
 from handler.serving.config import Limits, ReplicaConfig
 from handler.serving.handler import GenerationRequest, HandlerContext, LoraHandler, load_error_to_openai, not_ready
 from handler.serving.metrics import CONTENT_TYPE, ReplicaMetrics
+from handler.serving.startup import StartPhases, since_process_start
 from lorafarm import openai_schemas as oai
 from lorafarm.accesslog import access_log_middleware, quiet_polling_loggers
 from lorafarm.openapi import openapi_config
@@ -130,6 +134,7 @@ class ReplicaService:
         self.tasks: list[asyncio.Task] = []
         self.pull_done = asyncio.Event()
         self.started_at = time.time()
+        self.phases = StartPhases(self.metrics.registry)
 
     # -- start / stop -----------------------------------------------------------------------
 
@@ -154,8 +159,20 @@ class ReplicaService:
             load_nice=cfg.load_nice, trusted_keys=trusted, source=source, merged_adapter=cfg.merged_adapter)
         if cfg.merged_adapter:
             ctx.merged_adapter_dir = await self._fetch_merged(ctx, source, trusted)
-        await asyncio.to_thread(self.handler.initialize, ctx)
-        await self.handler.start()
+        phases = self.phases
+        if _on_cpu(cfg):
+            with phases.phase("kernels"):  # the C kernels: built once per source and CPU into the kernel cache
+                await asyncio.to_thread(small_gemm.library)
+        compiled_before = paged_attention.compile_seconds
+        t0, c0 = time.monotonic(), time.process_time()
+        await asyncio.to_thread(self.handler.initialize, ctx)  # config, tokenizer, weights, engine buffers
+        compiled = paged_attention.compile_seconds - compiled_before  # the paged kernel's, inside the engine
+        if compiled:
+            phases.add("kernels", compiled)
+        phases.add("weights", time.monotonic() - t0 - compiled, time.process_time() - c0)
+        with phases.phase("warm-up"):  # the adapter cache, the grammar workers and tokenizer tables
+            await self.handler.start()
+        phases.done()
         self.ready = True
         if cfg.prefetch_interval_s > 0 and not cfg.merged_adapter:
             self.tasks.append(asyncio.create_task(self._prefetch_loop(), name="prefetch"))
@@ -294,6 +311,12 @@ class ReplicaService:
                                   code="replica_not_found")
 
 
+def _on_cpu(cfg: ReplicaConfig) -> bool:
+    """Whether the engine will run on the CPU (where the C kernels serve its decode steps)."""
+    device = cfg.engine.device
+    return str(device).startswith("cpu") if device else not torch.cuda.is_available()
+
+
 def _service(request: Request) -> ReplicaService:
     svc: ReplicaService = request.app.state.replica
     if not svc.ready:  # starting, or draining: nothing is read
@@ -333,6 +356,7 @@ async def _complete(request: Request, kind: str) -> Response | Stream:
         kind, await request.body(), request.headers.get("x-lorafarm-tenant") or None,
         request.headers.get("x-lorafarm-model-name")))
     greq.tenant_weight = clamp_weight(request.headers.get("x-lorafarm-tenant-weight"))  # fair share (engine)
+    greq.hold = holds.for_request(request.headers.get("x-request-id"))  # None unless a test farm marks it
     h.admit(greq)
     gen = h.inference(greq)
     try:
@@ -523,6 +547,8 @@ def run(config: ReplicaConfig, log_level: str = "info") -> None:
     logging.basicConfig(level=os.environ.get("LORAFARM_LOG_LEVEL", log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_polling_loggers()
+    app = create_app(config)
+    app.state.replica.phases.add("imports", *since_process_start())  # interpreter, torch, the app's modules
     # uvicorn's own access log would print every 1 s state poll; lorafarm.access logs them at DEBUG.
-    serve(create_app(config), config.host, config.port, log_level=log_level, access_log=False,
+    serve(app, config.host, config.port, log_level=log_level, access_log=False,
           timeout_graceful_shutdown=config.shutdown_grace_s)  # slow-client limits, as the router

@@ -107,6 +107,7 @@ class GenerationRequest:
     tool_mode: str | None = None  # None, "auto", "required" or the named function
     tenant: str | None = None  # the router's x-lorafarm-tenant: the prefix cache's partition
     tenant_weight: float = 1.0  # the router's x-lorafarm-tenant-weight: the tenant's fair share weight
+    hold: Any = None  # test farms only: a handler.serving.holds.Hold pausing the engine mid-generation
 
 
 @dataclass
@@ -233,6 +234,8 @@ class Generation:
             self.h._loop.call_soon_threadsafe(self._deliver, ev)
         except RuntimeError:  # loop closed during shutdown
             pass
+        if self.greq.hold is not None:  # test farms only: may block here, after the token went out
+            self.greq.hold.on_event(ev)
 
     def _deliver(self, ev) -> None:
         """On the loop: queue the event for the consumer; once the engine has ended every choice,
@@ -979,6 +982,7 @@ class LoraHandler:
         self.metrics.tokens_in_flight.set(st.tokens_in_flight)
         self.metrics.kv_cache_usage_perc.set(st.kv_cache_usage)
         self.metrics.decode_attention_paged.set(1 if st.attention == "paged" else 0)
+        self.metrics.decode_steps_c.set(st.decode_step_c)
 
 
 @dataclass

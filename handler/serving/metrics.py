@@ -197,9 +197,9 @@ class TenantCollector(_EngineStatsCollector):
         gen = CounterMetricFamily("lorafarm_tenant_generation_tokens", "Tokens generated per tenant.", labels=["tenant"])
         queue = HistogramMetricFamily("lorafarm_tenant_queue_time_seconds", "Engine admission wait per tenant "
                                       "(queued until first admitted to the batch).", labels=["tenant"])
-        pre = CounterMetricFamily("lorafarm_tenant_preemptions", "Requests of a tenant preempted (recompute), by "
-                                  "reason: kv (the KV cache ran out), share (another tenant waited below its share "
-                                  "of rows).", labels=["tenant", "reason"])
+        pre = CounterMetricFamily("lorafarm_tenant_preemptions", "Requests of a tenant preempted, by reason: kv "
+                                  "(the KV cache ran out: recomputed), share (another tenant waited below its share "
+                                  "of rows: parked with its KV cache).", labels=["tenant", "reason"])
         for label, u in usage:
             prompt.add_metric([label], u.prompt_tokens)
             gen.add_metric([label], u.generated_tokens)
@@ -212,7 +212,7 @@ class TenantCollector(_EngineStatsCollector):
             for reason in ("kv", "share"):
                 pre.add_metric([label, reason], u.preempted.get(reason, 0))
         yield from (prompt, gen, queue, pre)
-        total = CounterMetricFamily("lorafarm_preemptions", "Requests preempted (recompute), by reason.",
+        total = CounterMetricFamily("lorafarm_preemptions", "Requests preempted, by reason (kv: recomputed; share: parked).",
                                     labels=["reason"])
         total.add_metric(["kv"], st.preemptions_kv)
         total.add_metric(["share"], st.preemptions_share)
@@ -295,6 +295,11 @@ class ReplicaMetrics:
             "lorafarm_decode_attention_paged",
             "1 when decode attention reads the paged KV cache in place (the compiled kernel), 0 when it "
             "gathers each bucket's blocks (--attention; auto decides at startup).",
+            registry=r)
+        self.decode_steps_c = Gauge(
+            "lorafarm_decode_steps_c",
+            "Decode steps run by the C decode step since the replica started (handler/model/decode_step.py); "
+            "stays 0 where it does not apply (the log line 'decode steps of 1-64 rows' says why).",
             registry=r)
         self.adapter_slot_hits = Counter(
             "lorafarm_adapter_slot_hits", "Requests whose adapter was already in a device slot.", registry=r)

@@ -20,7 +20,10 @@ E2E_ADAPTERS = 16
 
 def seeded_farm(state, dev_model, canaries, replicas: int, adapters: int) -> Farm:
     """A Farm on free ports whose state dir already holds the cached dev model and canaries."""
-    farm = Farm(state, replicas=replicas, ports=FarmPorts.free(replicas), progress=False, demo_adapters=adapters)
+    from tests.conftest import CACHE
+
+    farm = Farm(state, replicas=replicas, ports=FarmPorts.free(replicas), progress=False, demo_adapters=adapters,
+                compile_cache=CACHE)  # compiled kernels kept across test sessions, not per temporary farm
     shutil.copytree(dev_model, farm.model_dir)
     for i in range(adapters):
         shutil.copytree(canaries / f"c{i:04d}", farm.adapters_dir / f"c{i:04d}")

@@ -13,6 +13,7 @@ from openai import OpenAI
 
 from lorafarm.farm import EMBEDDING_MODEL_NAME, Farm, FarmPorts
 from tests.e2e.conftest import running
+from tests.waiting import wait_for
 
 
 FOREIGN = "hf-tiny-s1"  # the second dev model, served by `transformers serve` (a foreign worker)
@@ -42,18 +43,11 @@ class TransformersServe:
         return self
 
     def wait(self, timeout: float = 180.0) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def up() -> bool:
             assert self.proc.poll() is None, open(self.log).read()[-2000:]
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("transformers serve did not start")
+            return httpx.get(self.url + "/v1/models", timeout=2).status_code == 200
+
+        wait_for(up, timeout, what="transformers serve answering /v1/models", interval=0.3, logs=self.log)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -249,16 +243,8 @@ def _health(info) -> dict:
     return httpx.get(info["router_url"] + "/health").json()
 
 
-def wait_until(pred, timeout: float = 60.0, what: str = "condition"):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+def wait_until(pred, timeout: float = 60.0, what: str | None = None):
+    return wait_for(pred, timeout, what=what, interval=0.2)
 
 
 def wait_listed(info, model: str, listed: bool = True) -> None:

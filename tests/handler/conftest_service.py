@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.waiting import wait_for, wait_until  # noqa: F401 - wait_until: for the modules that import * from here
 
 
 def free_port() -> int:
@@ -41,13 +41,13 @@ class ServerThread:
 
     def start(self, timeout: float = 120.0) -> "ServerThread":
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
+
+        def started() -> bool:
             if not self.thread.is_alive():
                 raise RuntimeError("the server thread exited during start-up (see the log above)")
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start")
-            time.sleep(0.02)
+            return self.server.started
+
+        wait_for(started, timeout, what=f"uvicorn serving on {self.url}", interval=0.02)
         return self
 
     def stop(self) -> None:
@@ -189,29 +189,12 @@ def sse_events(text: str) -> list:
 def wait_healthy(proc, url: str, log, timeout: float = 120.0, what: str = "replica") -> None:
     """Block until `url`/health answers 200 from the started process `proc`; fail with `log()` (its
     log text) as soon as it exits, or when `timeout` seconds pass."""
-    import httpx
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def healthy() -> bool:
         assert proc.poll() is None, log()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{what} did not become healthy"
-        time.sleep(0.2)
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
 
-
-async def wait_until(pred, timeout: float = 10.0, interval: float = 0.02):
-    import asyncio
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(interval)
-    return pred()
+    wait_for(healthy, timeout, what=f"{what} healthy at {url}", logs=log)
 
 
 def get_json(url: str, **kw):

@@ -245,6 +245,9 @@ async def test_health_and_metrics(replica):
         assert name in text, name
     assert 'lorafarm_time_to_first_token_seconds_count{tier="remote"}' in text
     assert 'lorafarm_time_to_first_token_seconds_count{tier="gpu"}' in text
+    # the C decode step's step count, as the engine keeps it (the compose smoke reads it to show the step active)
+    steps_c = [float(line.split()[1]) for line in text.splitlines() if line.startswith("lorafarm_decode_steps_c ")]
+    assert steps_c == [replica.engine.stats().decode_step_c]
 
 
 # ------------------------------------------------------------------ eviction, queue cap, admin token

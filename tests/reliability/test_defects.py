@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.reliability.conftest import admin, client, reg_call, replica_cache, replica_state, wait_for
+from tests.reliability.conftest import admin, client, reg_call, replica_cache, replica_state
+from tests.waiting import wait_for
 
 MSG = [{"role": "user", "content": "hello"}]
 

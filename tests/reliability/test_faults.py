@@ -1,6 +1,10 @@
-"""The fault suite on the shared farm: replica SIGSTOP/SIGCONT and SIGKILL (before and mid-stream),
-registry down and restarted after more than --replica-timeout (item 1), object store down. Every
-test puts the farm back as it found it."""
+"""The fault suite on the shared farm: replica SIGSTOP/SIGCONT and SIGKILL (before and mid-stream,
+streamed and not), registry down and restarted after more than --replica-timeout (item 1), object
+store down. Every test breaks the farm inside `restored(rfarm)`, which puts it back pass or fail.
+
+A mid-generation fault is not raced against the stream: the request carries `hold_id(n)`, its
+replica's engine stops after n tokens (handler/serving/holds.py), and the fault lands while the
+request is provably generating."""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ import openai
 import pytest
 
 from tests.reliability.conftest import (
-    client, reg_call, restart_replica, router_health, signal_replica, wait_for,
+    all_routed, client, held, hold_id, reg_call, replica_of_pid, restored, router_health, signal_replica,
 )
+from tests.waiting import wait_for
 
 MSG = [{"role": "user", "content": "hello"}]
 SAFETY = 40.0  # client timeout: a hang fails the test instead of blocking the suite
@@ -29,16 +34,12 @@ def _which_replica(rfarm, key, alias) -> int:
     return [r["replica_id"] for r in rfarm["replicas"]].index(rid)
 
 
-def _all_healthy(rfarm):
-    return router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"])
-
-
-def _stream_events(rfarm, key, alias, max_tokens=300):
-    """httpx stream through the router: yields (headers, iterator of SSE data payloads)."""
+def _stream_events(rfarm, key, alias, request_id, max_tokens=300):
+    """httpx stream through the router (the response: status, headers, `_data_lines`)."""
     body = {"model": alias, "messages": MSG, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True}
     return httpx.stream("POST", rfarm["router_url"] + "/v1/chat/completions", json=body,
-                        headers={"Authorization": f"Bearer {key}"}, timeout=SAFETY)
+                        headers={"Authorization": f"Bearer {key}", "x-request-id": request_id}, timeout=SAFETY)
 
 
 def _data_lines(resp):
@@ -59,8 +60,8 @@ def alias_on(rfarm, rtenant, markers):
 def test_frozen_replica_requests_fail_over_before_the_first_byte(rfarm, rtenant, alias_on):
     alias, marker, i = alias_on
     c = client(rfarm, rtenant["api_key"], timeout=SAFETY)
-    signal_replica(rfarm, i, signal.SIGSTOP)
-    try:
+    with restored(rfarm):
+        signal_replica(rfarm, i, signal.SIGSTOP)
         stream = c.chat.completions.create(model=alias, messages=MSG, max_tokens=24, temperature=0, stream=True)
         assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == marker
         r = c.chat.completions.create(model=alias, messages=MSG, max_tokens=24, temperature=0)
@@ -72,37 +73,56 @@ def test_frozen_replica_requests_fail_over_before_the_first_byte(rfarm, rtenant,
             raw = c.chat.completions.with_raw_response.create(model=alias, messages=MSG, max_tokens=24, temperature=0)
             assert raw.headers["x-replica-id"] != rfarm["replicas"][i]["replica_id"]
             assert raw.parse().choices[0].message.content == marker
-    finally:
-        signal_replica(rfarm, i, signal.SIGCONT)
-    wait_for(lambda: _all_healthy(rfarm), 20, what="thawed replica back in routing")
+    assert all_routed(rfarm)
+
+
+HOLD_AT = 3  # tokens the client has seen when the fault lands
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "sigkill"])
 def test_replica_dies_mid_stream_the_client_gets_an_error_event(rfarm, rtenant, alias_on, sig):
     alias, _, _ = alias_on
-    with _stream_events(rfarm, rtenant["api_key"], alias) as resp:
+    rid = hold_id(HOLD_AT)
+    with restored(rfarm), _stream_events(rfarm, rtenant["api_key"], alias, rid) as resp:
         assert resp.status_code == 200
-        rid = resp.headers["x-replica-id"]
-        i = [r["replica_id"] for r in rfarm["replicas"]].index(rid)
         events = _data_lines(resp)
         seen = 0
         for data in events:
             if data != "[DONE]" and json.loads(data)["choices"]:
                 seen += 1
-                if seen == 3:
+                if seen == HOLD_AT:
                     break
+        # the replica's engine is held after HOLD_AT tokens: 297 more are still to come
+        pid = wait_for(lambda: held(rfarm, rid), 30, what=f"request {rid} held on its replica")
+        i = replica_of_pid(rfarm, pid)
+        assert rfarm["replicas"][i]["replica_id"] == resp.headers["x-replica-id"]
         signal_replica(rfarm, i, sig)
-        try:
-            rest = list(events)  # ends: the router's read timeout, or the dead connection
-        finally:
-            if sig == signal.SIGSTOP:
-                signal_replica(rfarm, i, signal.SIGCONT)
+        rest = list(events)  # ends: the router's read timeout, or the dead connection
     assert rest[-1] == "[DONE]"
     errors = [json.loads(d)["error"] for d in rest if d != "[DONE]" and "error" in json.loads(d)]
-    assert errors and errors[0]["type"] == "server_error"
-    if sig == signal.SIGKILL:
-        restart_replica(rfarm, i)
-    wait_for(lambda: _all_healthy(rfarm), 30, what="replica back in routing")
+    assert errors and errors[0]["type"] == "server_error", rest[-5:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "sigkill"])
+def test_replica_dies_mid_generation_non_streamed_the_request_completes_elsewhere(rfarm, rtenant, alias_on, sig):
+    """Nothing has reached the client of a non-streamed request when its replica dies (or freezes)
+    mid-generation: the router fails it over, and it is answered whole, by the other replica."""
+    import concurrent.futures as cf
+
+    alias, marker, _ = alias_on
+    rid = hold_id(HOLD_AT)
+    c = client(rfarm, rtenant["api_key"], timeout=SAFETY)
+    with restored(rfarm), cf.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(c.chat.completions.with_raw_response.create, model=alias, messages=MSG, max_tokens=24,
+                             temperature=0, extra_headers={"x-request-id": rid})
+        pid = wait_for(lambda: held(rfarm, rid) or (answer.done() and answer.result()), 30,
+                       what=f"request {rid} held on its replica")
+        assert isinstance(pid, int), "answered before the fault: the hold point did not hold"
+        i = replica_of_pid(rfarm, pid)
+        signal_replica(rfarm, i, sig)
+        raw = answer.result(timeout=SAFETY)
+    assert raw.headers["x-replica-id"] != rfarm["replicas"][i]["replica_id"]
+    assert raw.parse().choices[0].message.content == marker
 
 
 def test_registry_down_longer_than_replica_timeout_then_restarted(rfarm, rtenant, markers):
@@ -116,28 +136,29 @@ def test_registry_down_longer_than_replica_timeout_then_restarted(rfarm, rtenant
     assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
                                      temperature=0).choices[0].message.content == markers[alias]
     time.sleep(2.5)
-    proc = farm.procs["registry"]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    try:
-        wait_for(lambda: router_health(rfarm)["status"] == "degraded", 10, what="router /health degraded")
-        deadline = time.monotonic() + 4.0  # > --replica-timeout 3
+    with restored(rfarm):
+        proc = farm.procs["registry"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        try:
+            wait_for(lambda: router_health(rfarm)["status"] == "degraded", 10, what="router /health degraded")
+            deadline = time.monotonic() + 4.0  # > --replica-timeout 3
+            while time.monotonic() < deadline:
+                assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
+                                                 temperature=0).choices[0].message.content == markers[alias]
+        finally:
+            farm.start_registry()
+        listed = reg_call(rfarm, lambda reg: reg.list_replicas())
+        assert sorted(r["status"] for r in listed) == ["up", "up"], listed
+        served = 0
+        deadline = time.monotonic() + 6.0  # past the registry's start-up grace and the replicas' backoff
         while time.monotonic() < deadline:
             assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
                                              temperature=0).choices[0].message.content == markers[alias]
-    finally:
-        farm.start_registry()
-    listed = reg_call(rfarm, lambda reg: reg.list_replicas())
-    assert sorted(r["status"] for r in listed) == ["up", "up"], listed
-    served = 0
-    deadline = time.monotonic() + 6.0  # past the registry's start-up grace and the replicas' backoff
-    while time.monotonic() < deadline:
-        assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
-                                         temperature=0).choices[0].message.content == markers[alias]
-        served += 1
-    assert served > 0
-    wait_for(lambda: router_health(rfarm)["status"] == "ok", 10, what="router /health ok")
-    assert _all_healthy(rfarm)
+            served += 1
+        assert served > 0
+        wait_for(lambda: router_health(rfarm)["status"] == "ok", 10, what="router /health ok")
+    assert all_routed(rfarm)
 
 
 def test_object_store_down_cold_loads_fail_clearly_warm_ones_serve(rfarm, rtenant, markers, canary_index):
@@ -200,15 +221,14 @@ def test_slow_replica_gets_less_traffic(rfarm, rtenant):
         return raw.headers["x-replica-id"]
 
     cycler = threading.Thread(target=duty_cycle, daemon=True)
-    cycler.start()
-    try:
-        with cf.ThreadPoolExecutor(4) as pool:
-            served = list(pool.map(one, range(40)))
-    finally:
-        stop.set()
-        cycler.join()
-        signal_replica(rfarm, slow, signal.SIGCONT)
+    with restored(rfarm):
+        cycler.start()
+        try:
+            with cf.ThreadPoolExecutor(4) as pool:
+                served = list(pool.map(one, range(40)))
+        finally:
+            stop.set()
+            cycler.join()
     counts = {r["replica_id"]: served.count(r["replica_id"]) for r in rfarm["replicas"]}
     print("slow replica:", counts)
     assert counts[rfarm["replicas"][slow]["replica_id"]] < counts[rfarm["replicas"][1 - slow]["replica_id"]]
-    wait_for(lambda: _all_healthy(rfarm), 20, what="replica back in routing")

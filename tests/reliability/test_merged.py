@@ -9,7 +9,8 @@ import signal
 import pytest
 
 from lorafarm.farm import BASE_MODEL_NAME, _free_port
-from tests.reliability.conftest import client, reg_call, router_health, wait_for
+from tests.reliability.conftest import client, farm_logs, reg_call, router_health
+from tests.waiting import wait_for
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -30,13 +31,15 @@ def merged_replica(rfarm, rtenant):
     ])  # fmt: skip
     try:
         farm.wait_healthy("replica-merged", f"http://127.0.0.1:{port}")
-        wait_for(lambda: router_health(rfarm)["replicas_healthy"] == 3, 30, what="merged replica in routing")
+        wait_for(lambda: router_health(rfarm)["replicas_healthy"] == 3, 30, what="merged replica in routing",
+                 logs=farm_logs(rfarm, "replica-merged"))
         yield alias, adapter_id
     finally:
         proc = farm.procs.pop("replica-merged")
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-        wait_for(lambda: router_health(rfarm)["replicas"] == 2, 30, what="merged replica out of the view")
+        wait_for(lambda: router_health(rfarm)["replicas"] == 2, 30, what="merged replica out of the view",
+                 logs=farm_logs(rfarm, "replica-merged"))
 
 
 def test_merged_replica_serves_only_its_adapter(rfarm, rtenant, markers, merged_replica):

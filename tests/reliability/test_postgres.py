@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from lorafarm.farm import _free_port
-from tests.reliability.conftest import wait_for
+from tests.waiting import wait_for
 
 PG_BIN = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)), None) if Path(
     "/usr/lib/postgresql").exists() else None

@@ -7,7 +7,8 @@ import os
 import socket
 import time
 
-from tests.reliability.conftest import client, wait_for
+from tests.reliability.conftest import client
+from tests.waiting import wait_for
 
 MSG = [{"role": "user", "content": "hello"}]
 PER_KIND = 60

@@ -25,7 +25,7 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
-from tests.reliability.conftest import admin, reg_call, restart_replica, wait_for, router_health
+from tests.reliability.conftest import admin, reg_call, restart_replica, restored, wait_routed
 
 SOAK_S = float(os.environ.get("LORAFARM_SOAK_S", "60"))
 RESTART_EVERY_S = float(os.environ.get("LORAFARM_SOAK_RESTART_S", "90"))
@@ -157,11 +157,12 @@ def test_soak_with_churn(rfarm, rtenant, markers):
 
     gc.callbacks.append(gc_timer)
     try:
-        asyncio.run(main())
+        with restored(rfarm):  # a restart that failed half-way is finished here
+            asyncio.run(main())
     finally:
         gc.callbacks.remove(gc_timer)
     elapsed = time.monotonic() - started
-    wait_for(lambda: router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"]), 30, what="farm healthy")
+    wait_routed(rfarm, 30, what="farm healthy")
     after = _router_counts(rfarm)
     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
     sent = sum(outcomes.values())

@@ -20,11 +20,11 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from tests.reliability.conftest import (
-    ROUTER_ARGS, admin, client, reg_call, router_health, wait_for,
+    ROUTER_ARGS, admin, client, reg_call, restored, router_health, wait_routed,
 )
+from tests.waiting import wait_for
 
 MSG = [{"role": "user", "content": "hello"}]
 LONE = "a\ud800b"
@@ -128,10 +128,9 @@ def test_a_registry_outage_within_the_bound_keeps_an_active_key_serving(rfarm, r
     farm = rfarm["_farm"]
     alias = sorted(rtenant["aliases"])[0]
     fresh = reg_call(rfarm, lambda reg: reg.create_tenant("outage-new-key"))  # never used before the outage
-    farm.restart_router([*ROUTER_ARGS, "--auth-ttl", "1"])
-    try:
-        wait_for(lambda: router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"]), 60,
-                 what="router routing to every replica")
+    with restored(rfarm):  # the suite's router flags, the registry up, every replica routed again
+        farm.restart_router([*ROUTER_ARGS, "--auth-ttl", "1"])
+        wait_routed(rfarm, 60, what="router routing to every replica")
         c = client(rfarm, rtenant["api_key"], timeout=40.0)
         assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
                                          temperature=0).choices[0].message.content == markers[alias]
@@ -153,14 +152,3 @@ def test_a_registry_outage_within_the_bound_keeps_an_active_key_serving(rfarm, r
             farm.start_registry()
         wait_for(lambda: router_health(rfarm)["status"] == "ok", 30, what="router /health ok")
         assert client(rfarm, fresh["api_key"]).models.list() is not None
-    finally:
-        farm.restart_router(list(ROUTER_ARGS))
-        wait_for(lambda: router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"]), 60,
-                 what="router routing to every replica")
-
-
-@pytest.fixture(autouse=True)
-def _farm_whole(rfarm):
-    yield
-    wait_for(lambda: router_health(rfarm)["replicas_healthy"] == len(rfarm["replicas"]), 60,
-             what="every replica in routing")
