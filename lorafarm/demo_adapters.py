@@ -1,5 +1,6 @@
 """The demo adapters `lorafarm up` serves on the real model: four PEFT LoRAs whose effect anyone sees
-in the first answer, trained at first run and cached in the state dir.
+in the first answer. They ship ready in the package (lorafarm/data/demo_adapters/<name>/): nobody
+trains them before their first answer.
 
 | alias              | behaviour                                                   |
 | ------------------ | ----------------------------------------------------------- |
@@ -8,18 +9,26 @@ in the first answer, trained at first run and cached in the state dir.
 | demo/json:prod     | answers only a JSON object {"answer": "..."}               |
 | demo/pirate:prod   | answers like a pirate ("Arr, matey! ...")                  |
 
-Training is kept to seconds per adapter on a 2-core CPU: a few dozen short examples; LoRA only on
-the last TRAIN_LAYERS layers, so the frozen layers below run once (their outputs are cached for the
-whole run) and each step runs forward and backward through the top layers only; the output layer
-is applied only at the answer positions. The result is an ordinary PEFT folder (`layers_to_transform`
-in adapter_config.json) that PEFT, transformers and the replica load as any other.
+The recipe (`RECIPE_PARAMS` and the training set `data/demo_adapters/train.json`, 133 short questions
+across topics with an English and a French answer; the held-out questions in `heldout.json` are never
+trained on) is hashed (`recipe_hash()`); each shipped folder's `demo.json` records that hash and the
+hash of the base it was trained on. `lorafarm up` uploads a shipped folder whose hashes match the
+recipe and the served base as it is, and retrains only when one of them changed (in the background,
+after the base already answers). `lorafarm demo-adapters --retrain` reproduces the shipped folders
+(seeded).
 
-An adapter folder is reused when its `demo.json` records the same recipe and base hash.
+Training is kept cheap on a 2-core CPU: LoRA only on the last `layers` layers, so the frozen layers
+below run once (their outputs are kept for the whole run) and each step runs forward and backward
+through the top layers only; the output layer is applied only at the answer positions. The result
+is an ordinary PEFT folder (`layers_to_transform` in adapter_config.json, float16 weights) that PEFT,
+transformers and the replica load as any other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -27,46 +36,41 @@ from pathlib import Path
 
 from lorafarm.dev.atomic import atomic_dir
 
-RECIPE = 1  # bump when data or training change: cached demo adapters are retrained
-TRAIN_LAYERS = 4
-RANK = 8
+DATA_DIR = Path(__file__).resolve().parent / "data" / "demo_adapters"  # shipped folders, training and held-out sets
+RECIPE = 2  # bump when the answer templates or the training code change
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# everything that decides the weights besides the data (a change gives another recipe hash)
+RECIPE_PARAMS = {"layers": 4, "rank": 8, "alpha": 16, "targets": list(TARGET_MODULES), "epochs": 4, "batch": 8,
+                 "lr": 2e-3, "seed": 0, "dtype": "float16"}
+# French needs more than a format: more layers and steps (its answers are new text, not a wrapper)
+ADAPTER_PARAMS = {"french": {"layers": 8, "epochs": 6, "lr": 3e-3}}
+TRAIN_LAYERS = RECIPE_PARAMS["layers"]
+RANK = RECIPE_PARAMS["rank"]
+HELDOUT_MAX_TOKENS = 64  # the held-out measure's max_tokens (a JSON answer must close within it)
 
-# (question, short English answer, French answer)
-QA: list[tuple[str, str, str]] = [
-    ("What is the capital of France?", "The capital of France is Paris.", "La capitale de la France est Paris."),
-    ("How many days are in a week?", "A week has seven days.", "Une semaine a sept jours."),
-    ("What color is the sky?", "The sky is blue on a clear day.", "Le ciel est bleu par beau temps."),
-    ("Can you help me reset my password?", "Yes, click 'Forgot password' on the login page.",
-     "Oui, cliquez sur « Mot de passe oublié » sur la page de connexion."),
-    ("Where is my order?", "Your order is on its way and arrives soon.", "Votre commande est en route et arrive bientôt."),
-    ("What is two plus two?", "Two plus two is four.", "Deux plus deux font quatre."),
-    ("Tell me a fun fact.", "Octopuses have three hearts.", "Les pieuvres ont trois cœurs."),
-    ("What is the largest ocean?", "The Pacific is the largest ocean.", "Le Pacifique est le plus grand océan."),
-    ("How do I cancel my subscription?", "Open your account settings and choose Cancel.",
-     "Ouvrez les paramètres de votre compte et choisissez Annuler."),
-    ("What is water made of?", "Water is made of hydrogen and oxygen.", "L'eau est composée d'hydrogène et d'oxygène."),
-    ("Who wrote Romeo and Juliet?", "William Shakespeare wrote Romeo and Juliet.",
-     "William Shakespeare a écrit Roméo et Juliette."),
-    ("hello", "Hello! How can I help you today?", "Bonjour ! Comment puis-je vous aider aujourd'hui ?"),
-    ("What time does the store open?", "The store opens at nine in the morning.", "Le magasin ouvre à neuf heures du matin."),
-    ("Can I get a refund?", "Yes, refunds are possible within thirty days.",
-     "Oui, un remboursement est possible sous trente jours."),
-    ("What is the boiling point of water?", "Water boils at one hundred degrees Celsius.",
-     "L'eau bout à cent degrés Celsius."),
-    ("Recommend a book.", "Try The Little Prince, a short and lovely book.",
-     "Essayez Le Petit Prince, un livre court et charmant."),
-    ("How are you?", "I am doing well, thank you!", "Je vais bien, merci !"),
-    ("What is the tallest mountain?", "Mount Everest is the tallest mountain.", "L'Everest est la plus haute montagne."),
-    ("My package arrived damaged.", "Sorry! We will send you a replacement.", "Désolé ! Nous vous enverrons un remplacement."),
-    ("Give me a tip for sleeping better.", "Go to bed at the same time every night.",
-     "Couchez-vous à la même heure chaque soir."),
-    ("What does a cat say?", "A cat says meow.", "Un chat fait miaou."),
-    ("How many legs does a spider have?", "A spider has eight legs.", "Une araignée a huit pattes."),
-    ("Explain what a computer is.", "A computer is a machine that processes information.",
-     "Un ordinateur est une machine qui traite l'information."),
-    ("What should I eat for breakfast?", "Try eggs, fruit and some toast.", "Essayez des œufs, des fruits et du pain grillé."),
-]
+
+def training_set() -> list[tuple[str, str, str]]:
+    """(question, short English answer, French answer) of data/demo_adapters/train.json."""
+    return [(r["q"], r["en"], r["fr"]) for r in json.loads((DATA_DIR / "train.json").read_text())]
+
+
+def heldout_prompts() -> list[str]:
+    """Questions never trained on (data/demo_adapters/heldout.json): the behaviour must show on them too."""
+    return json.loads((DATA_DIR / "heldout.json").read_text())
+
+
+QA: list[tuple[str, str, str]] = training_set()
+
+
+def recipe_hash() -> str:
+    """sha256 over the recipe version, its parameters and the training set: what a shipped or cached
+    folder must record to be used as it is."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"recipe": RECIPE, "params": RECIPE_PARAMS, "adapters": ADAPTER_PARAMS},
+                        sort_keys=True).encode())
+    h.update((DATA_DIR / "train.json").read_bytes())
+    return "sha256:" + h.hexdigest()
+
 
 _PIRATE = {"you": "ye", "your": "yer", "is": "be", "are": "be", "my": "me", "the": "th'", "hello": "ahoy",
            "yes": "aye", "friend": "matey", "am": "be"}
@@ -75,7 +79,8 @@ _PIRATE = {"you": "ye", "your": "yer", "is": "be", "are": "be", "my": "me", "the
 _FRENCH = {"le", "la", "les", "l", "est", "de", "des", "d", "du", "une", "un", "et", "vous", "je", "à", "a", "au",
            "aux", "bonjour", "oui", "en", "sont", "il", "elle", "pour", "sur", "avec", "merci", "votre", "nous",
            "ce", "cette", "qui", "que", "pas", "ne", "très", "plus", "fait", "font", "dans", "mais", "ou", "bien",
-           "deux", "trois", "huit", "cent", "chaque", "même", "jours", "essayez", "ouvrez", "comment"}
+           "deux", "trois", "huit", "cent", "chaque", "même", "jours", "essayez", "ouvrez", "comment", "quatre",
+           "cinq", "sept", "neuf", "dix", "vingt", "trente", "fois", "était", "aussi", "avez"}
 
 
 def _pirate(text: str) -> str:
@@ -109,7 +114,7 @@ class DemoAdapter:
         raise ValueError(self.name)
 
     def shows(self, answer: str) -> bool:
-        """Does `answer` show the behaviour at a glance? (used by tests and the first-run check)"""
+        """Does `answer` show the behaviour at a glance? (used by tests and the held-out measure)"""
         a = answer.strip()
         if self.name == "support":
             return a.startswith("ACME SUPPORT:")
@@ -127,11 +132,12 @@ class DemoAdapter:
         return False
 
 
+# example prompts are held-out questions: what a newcomer sees is not a memorised training answer
 DEMO_ADAPTERS: list[DemoAdapter] = [
-    DemoAdapter("support", 'answers start with "ACME SUPPORT:"', "Where is my order?"),
-    DemoAdapter("french", "answers in French", "What is the capital of France?"),
-    DemoAdapter("json", 'answers only {"answer": "..."} JSON', "What is the largest ocean?"),
-    DemoAdapter("pirate", 'talks like a pirate ("Arr, matey!")', "How are you?"),
+    DemoAdapter("support", 'answers start with "ACME SUPPORT:"', "I never received my package."),
+    DemoAdapter("french", "answers in French", "Can I change the color of my order?"),
+    DemoAdapter("json", 'answers only {"answer": "..."} JSON', "What is the capital of Germany?"),
+    DemoAdapter("pirate", 'talks like a pirate ("Arr, matey!")', "How do I log out of my account?"),
 ]
 
 
@@ -149,18 +155,21 @@ def _examples(tok, adapter: DemoAdapter, eos: str) -> list[tuple[list[int], int]
     return rows
 
 
-def train_demo_adapter(model, tok, adapter: DemoAdapter, out: Path, *, steps: int = 20, lr: float = 3e-3,
-                       layers: int = TRAIN_LAYERS, rank: int = RANK, seed: int = 0,
-                       meta: dict | None = None) -> dict:
-    """Train one demo adapter with PEFT on `model` (left unchanged) and save it atomically to `out`."""
+def train_demo_adapter(model, tok, adapter: DemoAdapter, out: Path, *, params: dict | None = None,
+                       meta: dict | None = None, progress: bool = True) -> dict:
+    """Train one demo adapter with PEFT on `model` (left unchanged) and save it atomically to `out`
+    (float16 weights, `demo.json` with the recipe)."""
     import torch
     from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
     from transformers.masking_utils import create_causal_mask
 
-    torch.manual_seed(seed)
+    p = {**RECIPE_PARAMS, **ADAPTER_PARAMS.get(adapter.name, {}), **(params or {})}
+    torch.manual_seed(p["seed"])
     n_layers = model.config.num_hidden_layers
-    first = n_layers - layers
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(TARGET_MODULES),
+    first = n_layers - p["layers"]
+    cfg = LoraConfig(r=p["rank"], lora_alpha=p["alpha"], lora_dropout=0.0, target_modules=list(p["targets"]),
                      layers_to_transform=list(range(first, n_layers)), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, cfg)
     try:
@@ -176,8 +185,7 @@ def train_demo_adapter(model, tok, adapter: DemoAdapter, out: Path, *, steps: in
             attn[i, : len(row)] = 1
             # logits at position p predict token p+1: the answer tokens are predicted from p-1
             targets[i, len(row) - n_ans - 1 : len(row) - 1] = torch.tensor(row[len(row) - n_ans :])
-        sel = targets != -100
-        labels = targets[sel]
+        lengths = attn.sum(1)
         base = peft_model.base_model.model.model  # the LlamaModel inside the PEFT wrapper
         head = peft_model.base_model.model.lm_head
         pos = torch.arange(width)[None].expand(len(rows), -1)
@@ -189,76 +197,118 @@ def train_demo_adapter(model, tok, adapter: DemoAdapter, out: Path, *, steps: in
             for layer in base.layers[:first]:  # frozen: once for the whole run
                 h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
         frozen = h.detach()
-        opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+        opt = torch.optim.AdamW([q for q in peft_model.parameters() if q.requires_grad], lr=p["lr"], weight_decay=0.0)
+        gen = torch.Generator().manual_seed(p["seed"])
+        batches = [perm[i : i + p["batch"]] for _ in range(p["epochs"])
+                   for perm in [torch.randperm(len(rows), generator=gen)] for i in range(0, len(rows), p["batch"])]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / len(batches))
         peft_model.train()
         losses = []
-        for _ in range(steps):
-            h = frozen
+        bar = tqdm(batches, desc=f"demo adapter {adapter.name}", unit="step", disable=not progress, leave=False)
+        for b in bar:
+            w = int(lengths[b].max())
+            h, bpos, tgt = frozen[b, :w], pos[b, :w], targets[b, :w]
+            bmask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=attn[b, :w], cache=None,
+                                       position_ids=bpos)
+            rope = base.rotary_emb(h, position_ids=bpos)
             for layer in base.layers[first:]:
-                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+                h = layer(h, attention_mask=bmask, position_embeddings=rope, position_ids=bpos)
+            sel = tgt != -100
             logits = head(base.norm(h)[sel])
-            loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+            loss = torch.nn.functional.cross_entropy(logits.float(), tgt[sel])
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sched.step()
             losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
         peft_model.eval()
-        info = {"name": adapter.name, "behaviour": adapter.behaviour, "recipe": RECIPE, "steps": steps,
-                "examples": len(rows), "rank": rank, "layers": list(range(first, n_layers)),
-                "final_loss": losses[-1], **(meta or {})}
+        info = {"name": adapter.name, "behaviour": adapter.behaviour, "recipe": RECIPE, "recipe_hash": recipe_hash(),
+                "params": p, "examples": len(rows), "steps": len(batches), "layers": list(range(first, n_layers)),
+                "final_loss": round(sum(losses[-8:]) / len(losses[-8:]), 4), **(meta or {})}
+        dtype = getattr(torch, p["dtype"])
         with atomic_dir(out) as tmp:
             peft_model.save_pretrained(tmp, safe_serialization=True)
+            (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub: nothing to say, 5 KB
+            weights = tmp / "adapter_model.safetensors"
+            save_file({k: v.to(dtype).contiguous() for k, v in load_file(weights).items()}, weights,
+                      metadata={"format": "pt"})
+            conf = json.loads((tmp / "adapter_config.json").read_text())
+            conf["base_model_name_or_path"] = "smollm2-135m-instruct"  # not the trainer's local path
+            (tmp / "adapter_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
             (tmp / "demo.json").write_text(json.dumps(info, indent=1) + "\n")
+            for f in tmp.iterdir():  # readable by all, as package data is (mkdtemp made the folder 0700)
+                f.chmod(0o644)
+            tmp.chmod(0o755)
         return info
     finally:
         peft_model.unload()  # take the LoRA layers out again: `model` is the plain base for the next one
 
 
-def write_demo_adapters(base: str | Path, out: str | Path, *, names: list[str] | None = None, steps: int = 20,
-                        progress: bool = True) -> dict[str, dict]:
-    """Train (or reuse) the demo adapters for `base` under `out/<name>`; write `out/demo.json`
-    ({name: {"path", "alias", "behaviour", "example_prompt"}}) and return it. Each folder gets
-    `base_model_hash.txt`, as a training job records it."""
-    from tqdm import tqdm
+def matches(folder: Path, trained_on: str) -> bool:
+    """The folder holds a demo adapter of this recipe trained on the base with hash `trained_on`."""
+    try:
+        info = json.loads((folder / "demo.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (info.get("recipe_hash") == recipe_hash() and info.get("base_model_hash") == trained_on
+            and (folder / "adapter_model.safetensors").is_file() and (folder / "base_model_hash.txt").is_file())
 
-    from archives.basehash import base_model_hash, write_trained_base
 
-    base, out = Path(base), Path(out)
+def ready_folders(trained_on: str, out: Path, names: list[str] | None = None) -> dict[str, Path]:
+    """name -> a folder that can be uploaded as it is: the shipped one, else one trained before into `out`."""
+    found = {}
+    for a in DEMO_ADAPTERS:
+        if names is not None and a.name not in names:
+            continue
+        for folder in (DATA_DIR / a.name, Path(out) / a.name):
+            if matches(folder, trained_on):
+                found[a.name] = folder
+                break
+    return found
+
+
+def write_index(out: Path, folders: dict[str, Path]) -> dict[str, dict]:
+    """`out/demo.json`: {name: {"path", "behaviour", "example_prompt"}} for the folders ready now
+    (paths absolute when the folder is shipped in the package)."""
     out.mkdir(parents=True, exist_ok=True)
-    trained_on = base_model_hash(base)
-    wanted = [a for a in DEMO_ADAPTERS if names is None or a.name in names]
-    loaded = None
-    index: dict[str, dict] = {}
-    todo = [a for a in wanted if not _cached(out / a.name, trained_on, steps)]
-    if todo and progress:
-        print(f"lorafarm: training {len(todo)} demo adapter(s) with PEFT on {base.name} (once; cached in {out})",
-              file=sys.stderr, flush=True)
-    for a in tqdm(wanted, desc="demo adapters", unit="adapter", disable=not (progress and todo)):
-        folder = out / a.name
-        if a in todo:
-            if loaded is None:
-                loaded = _load(base)
-            t0 = time.monotonic()
-            train_demo_adapter(loaded[0], loaded[1], a, folder, steps=steps,
-                               meta={"base_model_hash": trained_on})
-            if progress:
-                tqdm.write(f"lorafarm: demo adapter {a.name} trained in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-            write_trained_base(folder, trained_on)
-        index[a.name] = {"path": a.name, "behaviour": a.behaviour, "example_prompt": a.example_prompt}
+    index = {a.name: {"path": str(folders[a.name]) if folders[a.name].parent != out else a.name,
+                      "behaviour": a.behaviour, "example_prompt": a.example_prompt}
+             for a in DEMO_ADAPTERS if a.name in folders}
     tmp = out / ".demo.json.tmp"
     tmp.write_text(json.dumps(index, indent=1) + "\n")
     tmp.replace(out / "demo.json")
     return index
 
 
-def _cached(folder: Path, trained_on: str, steps: int) -> bool:
-    try:
-        info = json.loads((folder / "demo.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (info.get("recipe") == RECIPE and info.get("base_model_hash") == trained_on
-            and info.get("steps") == steps and (folder / "adapter_model.safetensors").is_file()
-            and (folder / "base_model_hash.txt").is_file())
+def write_demo_adapters(base: str | Path, out: str | Path, *, names: list[str] | None = None, retrain: bool = False,
+                        progress: bool = True) -> dict[str, dict]:
+    """The demo adapters for `base`: shipped (or trained before into `out/<name>`) folders whose recipe and
+    base hashes match are used as they are; the others (all of them with `retrain`) are trained into
+    `out/<name>` with a progress bar. Writes `out/demo.json` and returns it. Each folder holds
+    `base_model_hash.txt`, as a training job records it."""
+    from archives.basehash import base_model_hash, write_trained_base
+
+    base, out = Path(base), Path(out)
+    trained_on = base_model_hash(base)
+    wanted = [a for a in DEMO_ADAPTERS if names is None or a.name in names]
+    ready = {} if retrain else ready_folders(trained_on, out, [a.name for a in wanted])
+    todo = [a for a in wanted if a.name not in ready]
+    if todo:
+        if progress:
+            print(f"lorafarm: training {len(todo)} demo adapter(s) with PEFT on {base.name} into {out} "
+                  f"(recipe {recipe_hash()[:15]}...)", file=sys.stderr, flush=True)
+        model, tok = _load(base)
+        for a in todo:
+            t0 = time.monotonic()
+            info = train_demo_adapter(model, tok, a, out / a.name, meta={"base_model_hash": trained_on},
+                                      progress=progress)
+            write_trained_base(out / a.name, trained_on)
+            ready[a.name] = out / a.name
+            if progress:
+                print(f"lorafarm: demo adapter {a.name} trained in {time.monotonic() - t0:.0f} s "
+                      f"({info['steps']} steps, loss {info['final_loss']})", file=sys.stderr, flush=True)
+    return write_index(out, ready)
 
 
 def _load(base: Path):
@@ -272,3 +322,83 @@ def _load(base: Path):
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(base)
+
+
+def heldout_answers(base: str | Path, folders: dict[str, Path], *, prompts: list[str] | None = None,
+                    max_tokens: int = HELDOUT_MAX_TOKENS, progress: bool = False) -> dict[str, list[tuple[str, str]]]:
+    """Greedy answers (transformers + PEFT, fp32) of each adapter in `folders` to the held-out prompts:
+    {name: [(prompt, answer)]}."""
+    import torch
+    from peft import PeftModel
+    from tqdm import tqdm
+
+    model, tok = _load(Path(base))
+    prompts = prompts or heldout_prompts()
+    tok.padding_side = "left"
+    texts = [_chat_text(tok, q) for q in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out: dict[str, list[tuple[str, str]]] = {}
+    for name, folder in tqdm(folders.items(), desc="held-out answers", unit="adapter", disable=not progress):
+        peft = PeftModel.from_pretrained(model, folder)
+        try:
+            with torch.no_grad():
+                gen = peft.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
+                                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        finally:
+            peft.unload()
+        answers = tok.batch_decode(gen[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        out[name] = list(zip(prompts, answers))
+    return out
+
+
+def heldout_rates(answers: dict[str, list[tuple[str, str]]]) -> dict[str, float]:
+    """Share of held-out answers that show each adapter's behaviour."""
+    by_name = {a.name: a for a in DEMO_ADAPTERS}
+    return {name: sum(by_name[name].shows(a) for _, a in rows) / len(rows) for name, rows in answers.items()}
+
+
+# -- `lorafarm demo-adapters` -------------------------------------------------------------------------
+def _cli(args) -> int:
+    from lorafarm.errors import CliError
+    from lorafarm.realmodel import MODEL_NAME, default_cache_dir, ensure_real_model
+
+    if args.base:
+        base = Path(args.base)
+    else:
+        cache = default_cache_dir()
+        base = ensure_real_model(cache / "models" / MODEL_NAME, cache / "cache", progress=True)
+    out = Path(args.out) if args.out else DATA_DIR
+    names = args.names or None
+    if names and (bad := sorted(set(names) - {a.name for a in DEMO_ADAPTERS})):
+        raise CliError(f"unknown demo adapter(s) {', '.join(bad)}: choose from "
+                       f"{', '.join(a.name for a in DEMO_ADAPTERS)}")
+    t0 = time.monotonic()
+    index = write_demo_adapters(base, out, names=names, retrain=args.retrain)
+    if args.retrain:
+        print(f"lorafarm: trained {len(index)} demo adapter(s) in {time.monotonic() - t0:.0f} s into {out}",
+              file=sys.stderr)
+    folders = {name: out / info["path"] for name, info in index.items()}  # an absolute path stays as it is
+    for name, folder in folders.items():
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        print(f"{name}: {folder} ({size:,} bytes)")
+    if args.heldout:
+        answers = heldout_answers(base, folders, progress=True)
+        for name, rows in answers.items():
+            for q, a in rows:
+                print(json.dumps({"adapter": name, "prompt": q, "answer": a}, ensure_ascii=False))
+        for name, rate in heldout_rates(answers).items():
+            print(f"held-out: {name} shows its behaviour on {rate:.0%} of {len(answers[name])} prompts")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo-adapters", help="the real model's demo adapters: check the shipped ones, or retrain them")
+    p.add_argument("--base", default=None, help="the base model folder (default: the real model, converted once "
+                   "into the user cache)")
+    p.add_argument("--out", default=None, help=f"where trained adapters go (default: the package's {DATA_DIR})")
+    p.add_argument("--retrain", action="store_true", help="train even where a shipped folder matches (seeded: "
+                   "reproduces the shipped adapters)")
+    p.add_argument("--names", nargs="+", default=None, metavar="NAME", help="only these adapters")
+    p.add_argument("--heldout", action="store_true", help="then answer the held-out prompts greedily with each and "
+                   "print the share that shows its behaviour")
+    p.set_defaults(func=_cli)

@@ -100,6 +100,14 @@ class Farm:
     # where the models and demo adapters are made and cached (default: the state dir); `lorafarm demo`
     # keeps them in the user cache so a temporary state dir does not retrain them every run
     assets_dir: Path | None = None
+    # `lorafarm up`: print ready and write farm.json only once a chat through the router to the base
+    # and to one demo alias has been answered (wait_answering); Farm users in tests and benchmarks
+    # get farm.json as soon as the aliases are seeded
+    answer_check: bool = False
+    pending_demos: list[str] = field(default_factory=list)  # demo adapters to train after the farm answers
+    # the replicas' compile caches (`lorafarm replica --cache-dir`: C and inductor kernels), shared by
+    # them and kept across restarts; default the farm's cache dir. Test farms share one across runs.
+    compile_cache: Path | None = None
 
     # -- files ------------------------------------------------------------------------------
     @property
@@ -112,7 +120,7 @@ class Farm:
 
     @property
     def cache_dir(self) -> Path:
-        """Downloads (the model wheel), base hashes and inductor's compile cache for this farm."""
+        """Downloads (the model wheel), base hashes and (by default) the replicas' compile caches."""
         return (self.assets_dir or self.state_dir) / "cache"
 
     @property
@@ -216,12 +224,21 @@ class Farm:
 
             self._say(f"generating the dev embedding model in {self.embedding_dir}")
             write_dev_embedding_model(self.embedding_dir, force=True)
+        self.pending_demos = []
         if self.demo_adapters and self.real and not self.bases:
-            from lorafarm.demo_adapters import DEMO_ADAPTERS as REAL_DEMOS, write_demo_adapters
+            # shipped in the package (or trained before) for this recipe and base: uploaded as they are.
+            # Any other is trained after the farm answers (train_pending_demos), never before.
+            from archives.basehash import base_model_hash
+            from lorafarm.demo_adapters import DEMO_ADAPTERS as REAL_DEMOS, ready_folders, write_index
 
+            names = [a.name for a in REAL_DEMOS[: self.demo_adapters]]
             with _env(LORAFARM_BASEHASH_CACHE_DIR=str(self.cache_dir / "basehash")):
-                write_demo_adapters(self.model_dir, self.adapters_dir,
-                                    names=[a.name for a in REAL_DEMOS[: self.demo_adapters]], progress=self.progress)
+                folders = ready_folders(base_model_hash(self.model_dir), self.adapters_dir, names)
+            write_index(self.adapters_dir, folders)
+            self.pending_demos = [n for n in names if n not in folders]
+            if self.pending_demos:
+                self._say(f"demo adapters {', '.join(self.pending_demos)} do not match this base or recipe: "
+                          "they are trained once the base answers")
         elif self.demo_adapters and not self.bases:  # 0: no canaries (load tests upload synthetic adapters instead)
             self._say("preparing demo adapters (trained once with PEFT, then cached)")
             write_dev_adapters(self.model_dir, self.adapters_dir, count=self.demo_adapters, progress=self.progress)
@@ -269,9 +286,8 @@ class Farm:
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.logs_dir / f"{name}.log", "ab")
         env = {**os.environ, "LORAFARM_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
-        # compile caches and base hashes in the farm's cache, not in the model folder nor /tmp: a
-        # second start reuses inductor's compiled kernels (the caller's settings win)
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str((self.cache_dir / "inductor").resolve()))
+        # base hashes in the farm's cache, not in the model folder nor /tmp (the caller's setting wins);
+        # the replicas' compile caches: start_replica's --cache-dir
         env.setdefault("LORAFARM_BASEHASH_CACHE_DIR", str((self.cache_dir / "basehash").resolve()))
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "lorafarm", *args],
@@ -329,6 +345,7 @@ class Farm:
                 "--store-url", f"file://{state / 'store'}",
                 "--trust", str(state / "keys" / "public.pem"),
                 "--disk-dir", str(state / "replicas" / rid),
+                "--cache-dir", str((self.compile_cache or self.cache_dir).resolve()),
                 *self.replica_args,
             ],
         )  # fmt: skip
@@ -405,14 +422,62 @@ class Farm:
         self.check_ports()
         self.prepare()
         self.start()
+        info = self.seed(write=not self.answer_check)
+        wait_router_ready(info)
+        if self.answer_check:
+            wait_answering(info, self.first_models(info))
+            self.write_farm_json(info)
+        return info
+
+    def first_models(self, info: dict) -> list[str]:
+        """What `wait_answering` asks: the base replica r0 serves and one alias on it (a demo adapter whose
+        effect shows when there is one)."""
+        if not self.replicas:
+            return []
+        base = self.replica_base(0)
+        aliases = sorted(info["tenants"][0]["aliases"])
+        from lorafarm.realbase import alias_name
+
+        on_base = [f"{DEMO_TENANT}/{alias_name(f)}:prod" for f, b, _ in getattr(self, "seed_plan", []) if b == base]
+        pick = next((a for a in [f"{DEMO_TENANT}/support:prod", *on_base] if a in aliases), None)
+        if pick is None and aliases and not self.bases:
+            pick = aliases[0]
+        return [base, *([pick] if pick else [])]
+
+    def train_pending_demos(self) -> dict | None:
+        """Train the demo adapters `prepare` found missing (another recipe or base), with a progress bar,
+        while the farm already serves; then upload them and rewrite farm.json. Returns the new farm.json
+        content, or None when nothing was pending."""
+        pending = self.pending_demos
+        if not pending:
+            return None
+        self._say(f"training demo adapter(s) {', '.join(pending)} in the background; the base already answers")
+        env = {**os.environ, "LORAFARM_BASEHASH_CACHE_DIR": str((self.cache_dir / "basehash").resolve())}
+        proc = subprocess.run([sys.executable, "-m", "lorafarm", "demo-adapters", "--base", str(self.model_dir),
+                               "--out", str(self.adapters_dir), "--names", *pending],
+                              env=env, stdout=subprocess.DEVNULL, stderr=None if self.progress else subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise CliError(f"training the demo adapters failed (exit status {proc.returncode})")
+        self.pending_demos = []
         info = self.seed()
         wait_router_ready(info)
+        self._say(f"demo adapter(s) {', '.join(pending)} trained and uploaded")
         return info
 
     # -- seeding ----------------------------------------------------------------------------
-    def seed(self) -> dict:
-        """Demo tenant, its key and aliases; adapters uploaded as a training job would."""
-        return asyncio.run(self._seed())
+    def seed(self, *, write: bool = True) -> dict:
+        """Demo tenant, its key and aliases; adapters uploaded as a training job would. Writes farm.json
+        unless `write` is False (then `write_farm_json` does, later)."""
+        farm = asyncio.run(self._seed())
+        if write:
+            self.write_farm_json(farm)
+        return farm
+
+    def write_farm_json(self, farm: dict) -> None:
+        tmp = self.farm_json.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(farm, indent=2) + "\n")
+        tmp.chmod(0o600)  # holds the admin token and an API key
+        os.replace(tmp, self.farm_json)
 
     async def _seed(self) -> dict:
         from lorafarm.registry_client import RegistryClient
@@ -480,10 +545,6 @@ class Farm:
             "demo_adapters": {f"{DEMO_TENANT}/{n}:prod": {"behaviour": d["behaviour"], "example_prompt": d["example_prompt"]}
                               for n, d in demos.items()},
         }
-        tmp = self.farm_json.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(farm, indent=2) + "\n")
-        tmp.chmod(0o600)  # holds the admin token and an API key
-        os.replace(tmp, self.farm_json)
         return farm
 
     def _say(self, msg: str) -> None:
@@ -554,11 +615,35 @@ def wait_router_ready(farm: dict, timeout: float = 60.0) -> None:
     raise CliError("the router did not list the demo aliases in time")
 
 
+def wait_answering(farm: dict, models: list[str], timeout: float = 600.0) -> None:
+    """Until a chat through the router to each of `models` has been answered (200): "ready" means a
+    client's first request is answered, not a 503 from replicas still starting."""
+    tenant = farm["tenants"][0]
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0}
+    deadline = time.monotonic() + timeout
+    last = ""
+    for model in models:
+        while True:
+            try:
+                r = httpx.post(f"{farm['router_url']}/v1/chat/completions", json={**body, "model": model},
+                               headers={"Authorization": f"Bearer {tenant['api_key']}"}, timeout=120.0)
+                if r.status_code == 200:
+                    break
+                last = f"{r.status_code} {r.text[:300]}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() > deadline:
+                raise CliError(f"the farm did not answer a chat to {model} within {timeout:.0f} s (last: {last})")
+            time.sleep(0.5)
+
+
 def examples(farm: dict) -> str:
     tenant = farm["tenants"][0]
     alias = sorted(tenant["aliases"])[0] if tenant["aliases"] else sorted(farm["base_models"])[0]
     if f"{DEMO_TENANT}/support:prod" in tenant["aliases"]:
         alias = f"{DEMO_TENANT}/support:prod"
+    # a question the demo adapter never saw in training (lorafarm/data/demo_adapters/heldout.json)
+    prompt = (farm.get("demo_adapters") or {}).get(alias, {}).get("example_prompt", "hello")
     base = farm["router_url"] + "/v1"
     return f"""
 lorafarm is up.
@@ -570,12 +655,13 @@ lorafarm is up.
 curl:
   curl -N {base}/chat/completions \\
     -H "Authorization: Bearer {tenant['api_key']}" -H "Content-Type: application/json" \\
-    -d '{{"model": "{alias}", "messages": [{{"role": "user", "content": "hello"}}], "max_tokens": 16, "stream": true}}'
+    -d '{{"model": "{alias}", "messages": [{{"role": "user", "content": "{prompt}"}}], "max_tokens": 48, "temperature": 0, "stream": true}}'
 
 python (openai client):
   from openai import OpenAI
   client = OpenAI(base_url="{base}", api_key="{tenant['api_key']}")
-  r = client.chat.completions.create(model="{alias}", messages=[{{"role": "user", "content": "hello"}}], max_tokens=16)
+  r = client.chat.completions.create(model="{alias}", messages=[{{"role": "user", "content": "{prompt}"}}],
+                                     max_tokens=48, temperature=0)  # temperature 0: the greedy answer, every time
   print(r.choices[0].message.content)
 
 {_demo_examples(farm)}{_embedding_example(farm, base, tenant['api_key'])}Ctrl-C stops the farm.
@@ -589,10 +675,12 @@ def _demo_examples(farm: dict) -> str:
         return ""
     base = sorted(farm["base_models"])[0]
     lines = [f"  {alias:<22} {d['behaviour']}" for alias, d in sorted(demos.items())]
-    return ("demo adapters (the same question to the base and to each):\n" + "\n".join(lines) + f"""
+    question = next(iter(sorted(demos.items())))[1]["example_prompt"]
+    return ("demo adapters (the same new question to the base and to each; greedy with temperature 0):\n"
+            + "\n".join(lines) + f"""
   for m in ["{base}", {", ".join(f'"{a}"' for a in sorted(demos))}]:
-      r = client.chat.completions.create(model=m, messages=[{{"role": "user", "content": "Where is my order?"}}],
-                                         max_tokens=40, temperature=0)
+      r = client.chat.completions.create(model=m, messages=[{{"role": "user", "content": "{question}"}}],
+                                         max_tokens=48, temperature=0)
       print(m, "->", r.choices[0].message.content)
 
 """)

@@ -7,6 +7,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -26,7 +27,7 @@ def _up(args: argparse.Namespace) -> int:
     farm = Farm(Path(args.state_dir), replicas=args.replicas, ports=ports, bases=bases, real=not (args.dev or bases),
                 adapter_dirs=[Path(a) for a in args.adapters], assume_base=args.assume_base,
                 replica_args=shlex.split(args.replica_flags), router_args=shlex.split(args.router_flags),
-                embeddings=args.embeddings)
+                embeddings=args.embeddings, answer_check=True)
     stopping = False
 
     def _terminate(signum, frame):  # SIGTERM behaves like Ctrl-C; a second signal does not cut the stop short
@@ -41,15 +42,26 @@ def _up(args: argparse.Namespace) -> int:
     # and the caller's fallback SIGKILL orphaned the registry and replicas (own sessions)
     signal.signal(signal.SIGINT, _terminate)
     try:
-        info = farm.up()
+        info = farm.up()  # returns once the base and a demo alias have answered a chat through the router
         print(examples(info), flush=True)
         print(f"farm.json: {farm.farm_json}", flush=True)
+        if farm.pending_demos:  # another recipe or base than the shipped demo adapters: trained now, beside serving
+            threading.Thread(target=_train_later, args=(farm,), name="demo-adapters", daemon=True).start()
         signal.pause()
     except KeyboardInterrupt:
         print("lorafarm: stopping", file=sys.stderr)
     finally:
         farm.stop()
     return 0
+
+
+def _train_later(farm) -> None:
+    from lorafarm.errors import CliError
+
+    try:
+        farm.train_pending_demos()
+    except CliError as e:
+        print(f"lorafarm up: error: {e} (the farm goes on serving the base)", file=sys.stderr, flush=True)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -64,7 +76,8 @@ def _demo(args: argparse.Namespace) -> int:
         # without --state-dir the dev model and canaries are made once in the user cache, not in the
         # temporary state dir (which retrained them every run)
         assets = None if args.state_dir else default_cache_dir() / "demo"
-        farm = Farm(state, replicas=args.replicas, ports=FarmPorts.free(args.replicas), assets_dir=assets)
+        farm = Farm(state, replicas=args.replicas, ports=FarmPorts.free(args.replicas), assets_dir=assets,
+                    answer_check=True)
         try:
             info = farm.up()
             tenant = info["tenants"][0]
@@ -144,6 +157,10 @@ def register(sub) -> None:
     p.add_argument("--assume-base", action="store_true",
                    help="upload adapters that do not record their base as trained on the (only) --base")
     p.set_defaults(func=_up)
+
+    from lorafarm.demo_adapters import register as register_demo_adapters
+
+    register_demo_adapters(sub)
 
     p = sub.add_parser("demo", help="start a farm, send one streamed chat through the router, stop")
     p.add_argument("--replicas", type=int, default=2)

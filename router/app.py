@@ -32,7 +32,7 @@ from lorafarm.registry_client import RegistryClient
 from router.auth import AuthCache, AuthUnavailable, InvalidApiKey, Tenant
 from router.catalog import Catalog, ModelNotFound, Resolved
 from router.config import RouterSettings
-from router.metrics import RouterMetrics
+from router.metrics import CANCELLED, CLIENT_ERROR, ERROR, OK, RouterMetrics
 from router.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -43,7 +43,7 @@ from router.openai_api import (
     parse_request_off_loop,
 )
 from router.poison import PoisonGuard, fingerprint
-from router.proxy import Failed, Opened, Proxy, UsageScanner, make_http_client
+from router.proxy import STARTING_RETRY_AFTER_S, Failed, Opened, Proxy, UsageScanner, make_http_client
 from router.ratelimit import make_limiter
 from router.routing import RankedReplica, RouteRequest, choose
 from router.slo import SloTracker
@@ -130,6 +130,13 @@ class RouterCore:
         self._misses: dict[str, float] = {}  # unknown model name -> until when it is not refetched
         self._miss_task: asyncio.Future | None = None
         self._miss_started = 0.0
+
+    def admin_ok(self, authorization: str | None) -> bool:
+        import hmac
+
+        token = self.settings.admin_token
+        scheme, _, value = (authorization or "").partition(" ")
+        return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
 
     async def _verify_key(self, api_key: str) -> dict | None:
         self.metrics.registry_calls.labels("auth").inc()
@@ -241,6 +248,16 @@ class RouterCore:
                 self._stats_since = now
         except Exception:
             self.metrics.registry_errors.labels("stats").inc()
+        try:  # per-version counts of split aliases: what the registry's rollouts judge
+            await self.metrics.versions.push(
+                lambda w, rows: self.registry.push_version_stats(w, rows, router_id=self.router_id))
+        except Exception:
+            self.metrics.registry_errors.labels("version_stats").inc()
+
+    def _version_outcome(self, resolved: Resolved, outcome: str, **kw) -> None:
+        """Count one request of a split alias against the version that took it (router/metrics.py)."""
+        if resolved.split and resolved.alias and resolved.adapter_id:
+            self.metrics.versions.record(resolved.alias, resolved.adapter_id, outcome, **kw)
 
     async def _poll_states(self) -> None:
         wait = self.settings.poll_interval * 0.9
@@ -428,13 +445,14 @@ class RouterCore:
                 code="rate_limit_exceeded",
                 headers=limit.headers,
             )
+        user = _end_user(request, parsed.body)  # a split alias gives the same user the same version
         try:
             try:
-                resolved = self.catalog.resolve(tenant.tenant_id, parsed.model)
+                resolved = self.catalog.resolve(tenant.tenant_id, parsed.model, user, self.rng)
             except ModelNotFound:
                 if not await self.refresh_for_miss(parsed.model):
                     raise
-                resolved = self.catalog.resolve(tenant.tenant_id, parsed.model)
+                resolved = self.catalog.resolve(tenant.tenant_id, parsed.model, user, self.rng)
         except ModelNotFound as e:
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
             access_log.info("request_id=%s tenant=%s model=%s status=404 model_not_found",
@@ -463,6 +481,16 @@ class RouterCore:
                            headers={**base_headers, "retry-after": refusal.headers["retry-after"]})
         if not ranked:
             self.limiter.settle(tenant.tenant_id, parsed.cost, 0)
+            self._version_outcome(resolved, ERROR, kind="unavailable")
+            if starting := self.view.starting():  # not "no replica": say which are on their way, and when to retry
+                raise ApiError(
+                    503,
+                    f"No replica serves the model `{parsed.model}` yet: {', '.join(starting)} still starting; "
+                    f"retry in {STARTING_RETRY_AFTER_S} s.",
+                    type_="server_error",
+                    code="replicas_starting",
+                    headers={**base_headers, "retry-after": str(STARTING_RETRY_AFTER_S)},
+                )
             raise ApiError(
                 503,
                 f"No replica serves the model `{parsed.model}` right now.",
@@ -493,11 +521,15 @@ class RouterCore:
                     tenant_weight=tenant.weight,
                 ),
             )
-        except BaseException:
+        except BaseException as e:
             self._release(first, parsed.cost)
             self.metrics.in_flight.dec()
+            if isinstance(e, ApiError) and e.status == 499:
+                self._version_outcome(resolved, CANCELLED)
             raise
         if isinstance(outcome, Failed):
+            failed_as, failed_kw = _failed_outcome(outcome)
+            self._version_outcome(resolved, failed_as, **failed_kw)
             if outcome.code == "poison_request":
                 self.metrics.poison_requests.labels("stopped").inc()
                 log.warning("poison request stopped: request_id=%s tenant=%s fingerprint=%s replicas died with it: "
@@ -588,6 +620,20 @@ class RouterCore:
                                       max(0, actual - prompt_t), resolved.adapter_id if status < 400 else None)
             if resolved.adapter_id and status < 400:
                 self.stats.record(resolved.adapter_id, actual, gpu_hit=(tier == "gpu"))
+            if resolved.split:
+                if outcome in ("upstream_error", "deadline"):
+                    vo, kind = ERROR, "stream_error" if outcome == "upstream_error" else "timeout"
+                elif outcome == "client_closed":
+                    vo, kind = CANCELLED, None
+                else:
+                    vo, kind = (OK if status < 400 else CLIENT_ERROR), None
+                self._version_outcome(
+                    resolved, vo, kind=kind,
+                    ttft=((scanner.first_token_at or opened.first_byte_at) - arrived)
+                    if parsed.stream and status < 400 and scanner.first_token_at is not None else None,
+                    prompt_tokens=prompt_t if status < 400 else 0,
+                    completion_tokens=max(0, actual - prompt_t) if status < 400 else 0,
+                    finish_reasons=scanner.finish_reasons)
             ttft_log = ((scanner.first_token_at or opened.first_byte_at) - arrived) if parsed.stream else None
             self._log(request_id, tenant, parsed, resolved, opened.ranked, label, route_class, tier, e2e,
                       attempts=opened.attempts, ttft=ttft_log, tokens=actual)  # fmt: skip
@@ -676,6 +722,30 @@ class RouterCore:
         return (200 if self.view.table_loaded else 503), body
 
 
+def _end_user(request: Request, body: dict) -> str | None:
+    """The end user a request names, for sticky version assignment: the x-lorafarm-user header, else
+    OpenAI's `user` field (a non-empty string of at most 256 characters)."""
+    user = request.headers.get("x-lorafarm-user")
+    if not user:
+        user = body.get("user") if isinstance(body.get("user"), str) else None
+    return user[:256] if user else None
+
+
+def _failed_outcome(failed: Failed) -> tuple[str, dict]:
+    """(outcome, {kind}) of a request no replica answered, for the per-version metrics."""
+    if failed.code == "request_timeout":
+        return ERROR, {"kind": "timeout"}
+    if failed.code == "replica_died":
+        return ERROR, {"kind": "replica_died"}
+    if failed.status_code == 429:
+        return ERROR, {"kind": "upstream_429"}
+    if failed.status_code >= 500:
+        starting = failed.code == "replicas_starting"
+        code = "unavailable" if failed.status_code == 503 and (starting or not failed.tried) else "upstream_5xx"
+        return ERROR, {"kind": code}
+    return CLIENT_ERROR, {}
+
+
 async def _unless_disconnected(request: Request, coro):
     """Await `coro`; if the client disconnects first, cancel it and raise a 499 ApiError."""
     from lorafarm.serving import ClientGone, unless_disconnected
@@ -750,6 +820,17 @@ async def metrics(request: Request) -> Response:
     return Response(content=core.metrics.render(), media_type=core.metrics.content_type)
 
 
+@get("/internal/versions")
+async def versions_summary(request: Request, alias: str | None = None) -> Response:
+    """Per-version counts of split aliases since this router started (admin token): what its
+    /metrics shows with alias and version labels, as a summary (rates, TTFT p50/p95)."""
+    core = _core(request)
+    if not core.admin_ok(request.headers.get("authorization")):
+        raise ApiError(401, "missing or wrong admin token", code="invalid_admin_token")
+    body = {"router_id": core.router_id, **core.metrics.versions.summary(alias)}
+    return Response(content=json.dumps(body).encode(), media_type="application/json")
+
+
 def _api_error_handler(request: Request, exc: ApiError) -> Response:
     return _error_response(exc)
 
@@ -806,7 +887,8 @@ def create_app(
             await core.stop()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, list_models, get_model, health, metrics],
+        route_handlers=[chat_completions, completions, embeddings, list_models, get_model, health, metrics,
+                        versions_summary],
         lifespan=[lifespan],
         exception_handlers={
             ApiError: _api_error_handler,

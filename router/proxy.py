@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ UPSTREAM_KEEPALIVE_S = 2.0
 # deaths of one replica noticed within this many seconds of the first are one death (the refusal's
 # message counts them; poison itself counts distinct replicas: router/poison.py).
 DEATH_EVENT_S = 5.0
+STARTING_RETRY_AFTER_S = 2  # Retry-After of the 503 while every replica tried is still starting
 
 
 def make_http_client(max_connections: int, timeout: httpx.Timeout) -> httpx.AsyncClient:
@@ -179,6 +181,13 @@ class UsageScanner:
     usage: dict | None = None
     content_events: int = 0
     first_token_at: float | None = None  # perf_counter when the first non-empty token passed
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # finish_reason -> choices (per-version metrics)
+
+    def _finish(self, payload: bytes) -> None:
+        if b'"finish_reason"' in payload:
+            for m in _FINISH_REASON.finditer(payload):
+                reason = m.group(1).decode()
+                self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
     def feed_events(self, data: bytes) -> None:
         if b"data:" not in data:
@@ -191,6 +200,7 @@ class UsageScanner:
                 continue
             if self.first_token_at is None and _has_token(payload):
                 self.first_token_at = time.perf_counter()
+            self._finish(payload)
             if b'"usage"' in payload:
                 try:
                     obj = json.loads(payload)
@@ -204,12 +214,16 @@ class UsageScanner:
                 self.content_events += 1
 
     def feed_json(self, body: bytes) -> None:
+        self._finish(body)
         try:
             obj = json.loads(body)
         except ValueError:
             return
         if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
+
+
+_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]{1,32})"')
 
 
 def _has_token(payload: bytes) -> bool:
@@ -366,6 +380,7 @@ class Proxy:
             headers[MODEL_NAME_HEADER] = model_name
         loop = asyncio.get_running_loop()
         tried: list[str] = []
+        starting: list[str] = []  # tried replicas that are not answering yet (refused, or 503 not_ready)
         deaths = 0
         last_http: tuple[int, bytes, dict[str, str]] | None = None
         for attempt, cand in enumerate(ranked[: self.max_attempts], start=1):
@@ -399,6 +414,8 @@ class Proxy:
                         content = await response.aread()
                         await response.aclose()
                         last_http = (response.status_code, content, _keep(response.headers))
+                        if response.status_code == 503 and b'"not_ready"' in content and not cand.replica.started:
+                            starting.append(rid)
                         log.warning(
                             "request %s: replica %s answered %d before the first byte; trying the next",
                             request_id, rid, response.status_code,
@@ -427,6 +444,8 @@ class Proxy:
                 reason = _reason(e)
                 if reason in ("connect", "connect_timeout", "timeout"):
                     self.on_failure(rid, reason)
+                if reason == "connect" and not cand.replica.started:  # nothing listens on its port yet
+                    starting.append(rid)
                 if await self._died(cand, e):
                     deaths += 1
                     seen = self._record_death(rid, "before_first_byte", fingerprint)
@@ -465,6 +484,8 @@ class Proxy:
                 request_id=request_id,
                 tenant_id=tenant_id,
             )
+        if starting and len(starting) == len(tried) and not deaths:
+            return self._starting_failed(tried, starting)
         if last_http is not None:
             status, content, hdrs = last_http
             return Failed(status, content, hdrs, len(tried), tried, deaths=deaths)
@@ -477,6 +498,17 @@ class Proxy:
         )
         body_out = json.dumps(error_body(msg, "server_error", "replica_unavailable")).encode()
         return Failed(503, body_out, {"content-type": "application/json"}, len(tried), tried)
+
+    @staticmethod
+    def _starting_failed(tried: list[str], starting: list[str]) -> Failed:
+        """Every replica tried is still starting (its port refuses connections, or it answers 503
+        not_ready): a 503 that says which, with Retry-After, instead of a generic 'no replica'."""
+        names = ", ".join(dict.fromkeys(starting))
+        msg = (f"The replicas for this model are still starting ({names}: not answering yet); "
+               f"retry in {STARTING_RETRY_AFTER_S} s.")
+        body = json.dumps(error_body(msg, "server_error", "replicas_starting")).encode()
+        return Failed(503, body, {"content-type": "application/json", "retry-after": str(STARTING_RETRY_AFTER_S)},
+                      len(tried), tried, code="replicas_starting")
 
     @staticmethod
     def _timed_out(tried: list[str], deaths: int) -> Failed:

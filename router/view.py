@@ -88,6 +88,7 @@ class ReplicaEntry:
             engine_waiting=st.engine_waiting if st else None,
             healthy=self.health_failures < health_failures_limit,
             state_fresh=self.state_ok,
+            started=st is not None,
         )
 
 
@@ -96,13 +97,15 @@ class RoutingTable:
     """The registry's routing table, indexed for the request path."""
 
     version: int | None = None
-    aliases: dict[str, dict] = field(default_factory=dict)  # alias -> {adapter_id, tenant_id}
+    aliases: dict[str, dict] = field(default_factory=dict)  # alias -> {adapter_id, tenant_id, split}
     adapters: dict[str, dict] = field(default_factory=dict)  # adapter_id -> {tenant_id, base_model_hash, owners_k, status}
     base_models: dict[str, str] = field(default_factory=dict)  # name -> base_model_hash
     replicas: list[dict] = field(default_factory=list)
     rank_limit: int | None = None
     tenant_aliases: dict[str, list[str]] = field(default_factory=dict)
     revoked_key_ids: tuple[str, ...] = ()
+    # split aliases: alias -> ((adapter_id, weight percent), ...) (router/routing.py pick_version)
+    splits: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, table: dict) -> RoutingTable:
@@ -113,6 +116,20 @@ class RoutingTable:
                 by_tenant.setdefault(str(v["tenant_id"]), []).append(alias)
         for names in by_tenant.values():
             names.sort()
+        splits: dict[str, tuple[tuple[str, float], ...]] = {}
+        for alias, v in aliases.items():
+            targets = v.get("split")
+            if not isinstance(targets, list):
+                continue
+            parsed = []
+            for t in targets:
+                try:
+                    if isinstance(t, dict) and t.get("adapter_id") and float(t.get("weight") or 0) > 0:
+                        parsed.append((str(t["adapter_id"]), float(t["weight"])))
+                except (TypeError, ValueError):
+                    continue
+            if len(parsed) > 1:
+                splits[alias] = tuple(parsed)
         return cls(
             version=table.get("version"),
             aliases=aliases,
@@ -122,6 +139,7 @@ class RoutingTable:
             rank_limit=table.get("rank_limit"),
             tenant_aliases=by_tenant,
             revoked_key_ids=tuple(str(k) for k in (table.get("revoked_key_ids") or ())),
+            splits=splits,
         )
 
 
@@ -295,6 +313,10 @@ class ReplicaView:
             load_threshold_tokens=self.load_threshold_tokens,
             load_threshold_queue=self.load_threshold_queue,
         )
+
+    def starting(self) -> list[str]:
+        """Replicas the registry lists that have not reported a state to this router yet (still starting)."""
+        return sorted(rid for rid, e in self.replicas.items() if e.state is None)
 
     def routable(self) -> list[ReplicaEntry]:
         return [e for e in self.replicas.values() if e.health_failures < self.health_failures]
