@@ -29,9 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-import resource
 import time
-import urllib.request
 from pathlib import Path
 
 import gevent
@@ -39,6 +37,8 @@ import gevent.pool
 from locust import HttpUser, constant, events, task
 from urllib3 import PoolManager
 
+from loadtests.runner import TokenTimes
+from loadtests.runner import scrape as _scrape
 from loadtests.workload import (
     add_workload_arguments,
     generate,
@@ -71,28 +71,6 @@ def _options(parser) -> None:
     g.add_argument("--metrics-dir", default="", help="save replicas' /metrics here (start/end of the window)")
     g.add_argument("--replica-urls", default="", help="comma-separated replica URLs to scrape")
     g.add_argument("--request-timeout", type=float, default=120.0)
-
-
-def _scrape(urls: list[str], folder: Path, label: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = time.time()
-    # what bounds the rate: the machine's CPU (/proc/stat) and this load generator's own share
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    try:
-        machine = Path("/proc/stat").read_text().splitlines()[0]
-    except OSError:
-        machine = ""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    (folder / f"cpu-{label}.json").write_text(json.dumps({"time": stamp, "proc_stat_cpu": machine,
-                                                          "loadgen_cpu_s": usage.ru_utime + usage.ru_stime,
-                                                          "loadavg": list(load)}))  # fmt: skip
-    for i, url in enumerate(urls):
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError as e:
-            text = f"# scrape failed: {e}\n"
-        (folder / f"replica{i}-{label}.prom").write_text(f"# lorafarm-scrape-time {stamp}\n# url {url}\n{text}")
 
 
 class FarmClient(HttpUser):
@@ -145,8 +123,8 @@ class FarmClient(HttpUser):
                "adapter_id": "", "status": 0, "error": "", "output_tokens": 0, "prompt_tokens": "",
                "prompt_words": len(prompt.split()), "max_tokens": max_tokens,
                "system_words": len(system.split()), "cached_tokens": ""}  # fmt: skip
-        first = last = usage_tokens = None
-        gaps: list[float] = []
+        usage_tokens = None
+        times = TokenTimes()
         chunks = 0
         try:
             with self.client.post("/v1/chat/completions", json=body, headers=headers, stream=True,
@@ -175,41 +153,28 @@ class FarmClient(HttpUser):
                             usage_tokens = usage.get("completion_tokens")
                             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                             row["cached_tokens"] = "" if cached is None else cached
-                        # a chunk with text, or the finish chunk (tokens that decode to no text yet
-                        # send nothing): the first one is the first token the client sees
                         if any(c.get("delta", {}).get("content") or c.get("finish_reason")
                                for c in event.get("choices", [])):  # fmt: skip
-                            now = time.perf_counter()
-                            if first is None:
-                                first = now
-                            else:
-                                gaps.append(now - last)
-                            last = now
+                            times.tick()  # a token event (TokenTimes)
                             chunks += 1
         except Exception as e:  # connection refused, reset, timeout: counted as errors by kind
             row["error"] = row["error"] or f"conn_{type(e).__name__}"
         end = time.perf_counter()
-        if not row["error"] and first is None:
+        if not row["error"] and times.first is None:
             row["error"] = "no_tokens"
         tier = row["tier"] or "none"
         if not row["error"]:
-            # TPOT as in vLLM's benchmark: (last token - first token) / (output tokens - 1)
             row["output_tokens"] = tokens = usage_tokens if usage_tokens is not None else chunks
-            row["ttft_s"] = round(first - sent, 6)
-            row["e2e_s"] = round(end - sent, 6)
-            if tokens > 1:
-                row["tpot_s"] = round((last - first) / (tokens - 1), 6)
-            if gaps:
-                row["itl_max_s"] = round(max(gaps), 6)
+            row.update({k: v for k, v in times.fields(sent, end, tokens).items() if v != ""})
         if phase == "measure":
             if row["error"]:
                 self._fire("E2E", tier, end - sent, exc=RuntimeError(row["error"]))
             else:
-                self._fire("TTFT", tier, first - sent)
+                self._fire("TTFT", tier, times.first - sent)
                 self._fire("E2E", tier, end - sent, row["output_tokens"])
                 if row.get("tpot_s") is not None:
                     self._fire("TPOT", tier, row["tpot_s"])
-                    for g in gaps:
+                    for g in times.gaps:
                         self._fire("ITL", tier, g)
         if self.rows is not None:
             self.rows.writerow(row)

@@ -311,6 +311,11 @@ def publish(results: Path, docs: Path, name: str = "loadtests") -> Path:
         for f in (results / "steps").glob("*-requests.csv"):
             shutil.copy2(f, assets / "steps" / f.name)
     md = docs / f"{name}.md"
-    md.write_text(text.replace("Raw data: ", f"Raw data (in {name}/): "))
+    text = text.replace("Raw data: ", f"Raw data (in {name}/): ")
+    from loadtests.real_report import kept_section, splice
+
+    if section := kept_section(md.read_text() if md.exists() else ""):  # `make loadtest-real-docs`' section stays
+        text = splice(text, section)
+    md.write_text(text)
     return md
 

@@ -23,9 +23,11 @@ import csv
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,31 @@ def _count_rows(path: Path) -> int:
             return max(0, sum(1 for _ in f) - 1)
     except OSError:
         return 0
+
+
+class TokenTimes:
+    """The token events of one stream (perf_counter times): the first, the last, the gaps between them.
+    A token event is a chunk with text, or the finish chunk (tokens that decode to no text yet send
+    none): the first one is the first token the client sees."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def fields(self, sent: float, end: float, tokens: int) -> dict:
+        """ttft_s, e2e_s, tpot_s (as in vLLM's benchmark: (last - first) / (tokens - 1)), itl_max_s."""
+        return {"ttft_s": round(self.first - sent, 6), "e2e_s": round(end - sent, 6),
+                "tpot_s": round((self.last - self.first) / (tokens - 1), 6) if tokens > 1 else "",
+                "itl_max_s": round(max(self.gaps), 6) if self.gaps else ""}  # fmt: skip
 
 
 # -- statistics ---------------------------------------------------------------------------
@@ -224,6 +251,30 @@ def parse_metrics(text: str) -> tuple[float | None, dict[tuple[str, tuple], floa
 def _total(samples: dict, name: str, **labels) -> float:
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n in (name, name + "_total") and want <= set(ls))
+
+
+def scrape(urls: list[str], folder: Path, label: str) -> None:
+    """Save `cpu-<label>.json` (the machine's /proc/stat line, this process's CPU seconds, the load
+    average) and each replica's /metrics as `replica<i>-<label>.prom` (read by cpu_use, cache_rates)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.time()
+    # what bounds the rate: the machine's CPU (/proc/stat) and this load generator's own share
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        machine = Path("/proc/stat").read_text().splitlines()[0]
+    except OSError:
+        machine = ""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    (folder / f"cpu-{label}.json").write_text(json.dumps({"time": stamp, "proc_stat_cpu": machine,
+                                                          "loadgen_cpu_s": usage.ru_utime + usage.ru_stime,
+                                                          "loadavg": list(load)}))  # fmt: skip
+    for i, url in enumerate(urls):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError as e:
+            text = f"# scrape failed: {e}\n"
+        (folder / f"replica{i}-{label}.prom").write_text(f"# lorafarm-scrape-time {stamp}\n# url {url}\n{text}")
 
 
 def cache_rates(metrics_dir: Path) -> dict:

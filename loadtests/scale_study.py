@@ -254,7 +254,13 @@ def main(argv=None) -> int:
                                         for c in cs] for run, cs in at_scale.items()}
     md += [validation.section_at_scale(at_scale), ""]
     md += LIMITS.splitlines()
-    out.write_text("\n".join(md) + "\n")
+    text = "\n".join(md) + "\n"
+    from loadtests.real_report import kept_section, splice
+    from loadtests.real_scale import BEGIN, END
+
+    if section := kept_section(out.read_text() if out.exists() else "", BEGIN, END):  # make loadtest-real-docs' part
+        text = splice(text, section, BEGIN, END)
+    out.write_text(text)
     (out.parent / "scale.json").write_text(json.dumps(raw, indent=1, default=str))
     print(f"wrote {out}")
     return 0

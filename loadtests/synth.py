@@ -57,8 +57,11 @@ def synth_specs(count: int, ranks: list[int], targets: str, seed: int = 0) -> li
     return out
 
 
-def write_synth_adapter(base_config: dict, spec: SynthSpec, out: Path, base_path: str = "") -> Path:
-    """Write one random adapter in the PEFT layout (what `save_pretrained` writes) to `out`."""
+def write_synth_adapter(base_config: dict, spec: SynthSpec, out: Path, base_path: str = "",
+                        dtype: str = "float32", b_std: float = 0.02) -> Path:
+    """Write one random adapter in the PEFT layout (what `save_pretrained` writes) to `out`, its
+    tensors stored as `dtype` (float32 or float16: drawn in float32 either way, then cast). `b_std`:
+    the standard deviation of B (0.02 above; larger makes an adapter that changes the base's answers)."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng([spec.seed, spec.index])
@@ -69,8 +72,8 @@ def write_synth_adapter(base_config: dict, spec: SynthSpec, out: Path, base_path
             fan_in, fan_out = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{_BLOCK[module]}.{module}"
             bound = 1.0 / np.sqrt(fan_in)
-            tensors[f"{prefix}.lora_A.weight"] = rng.uniform(-bound, bound, (spec.rank, fan_in)).astype(np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = (0.02 * rng.standard_normal((fan_out, spec.rank))).astype(np.float32)
+            tensors[f"{prefix}.lora_A.weight"] = rng.uniform(-bound, bound, (spec.rank, fan_in)).astype(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (b_std * rng.standard_normal((fan_out, spec.rank))).astype(dtype)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

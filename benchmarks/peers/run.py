@@ -99,6 +99,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-replica-flags", default=None,
                    help="default: '--slots N --max-batch 32 --dtype float32' (every adapter on a device slot)")
     p.add_argument("--ours-router-flags", default="--first-byte-timeout 600 --read-timeout 600")
+    p.add_argument("--ours-parallel-products", default="", choices=["", "all"],
+                   help="LORAFARM_PARALLEL_PRODUCTS for ours' replica (default: unset, the replica's own default; "
+                        "'all' was this bench's setting before issue 39)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--keep-idle-running", action="store_true",
                    help="do not pause (SIGSTOP) the servers not being measured")
@@ -137,7 +140,8 @@ def build_servers(args, adapters: list[Path], zipf: bool = False) -> list[server
             flags = args.ours_replica_flags or f"--slots {slots} --max-batch 32 --dtype float32"
             state = args.root / "ours-state" / (adapters[0].parent.name if zipf else args.model.resolve().name)
             out.append(servers.ours(got, args.model, adapters, state, args.threads, flags, args.ours_router_flags,
-                                    upload=zipf, progress=not args.quiet))
+                                    upload=zipf, progress=not args.quiet,
+                                    parallel_products=args.ours_parallel_products))
         elif peer == "vllm":
             # W6: every adapter may stay in its CPU cache, as all 1,000 fit ours' RAM tier (4 GiB by default)
             sizes = dict(rank=ZIPF_RANK, max_loras=ZIPF_SLOTS, cpu_loras=len(adapters)) if zipf else {}

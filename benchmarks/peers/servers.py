@@ -164,7 +164,7 @@ class Server:
     def describe(self) -> dict:
         return {"peer": self.peer, "version": self.installed.version, "how": self.installed.how,
                 "threads": self.threads, "command": shlex.join(self.command),
-                "env": {k: v for k, v in self.env.items() if k.startswith(("OMP_", "VLLM_", "MKL_", "LORAFARM_"))},
+                "env": {k: v for k, v in self.env.items() if k.startswith(("OMP_", "VLLM_", "MKL_", "LORAFARM_", "LD_PRELOAD"))},
                 "startup_s": round(self.started_s, 1) if self.started_s else None}
 
 
@@ -174,18 +174,19 @@ def _threads_env(threads: int) -> dict[str, str]:
 
 
 def ours(installed: Installed, model: Path, adapters: list[Path], state: Path, threads: int,
-         replica_flags: str, router_flags: str, upload: bool = False, progress: bool = True) -> "OursServer":
-    """upload: the adapters registered from here once the farm is up (W6's 1,000), not by `lorafarm up`."""
+         replica_flags: str, router_flags: str, upload: bool = False, progress: bool = True,
+         parallel_products: str = "") -> "OursServer":
+    """upload: the adapters registered from here once the farm is up (W6's 1,000), not by `lorafarm up`.
+    parallel_products: LORAFARM_PARALLEL_PRODUCTS for the replica; empty (default) leaves the replica at
+    its own default, as a user meets it (`all` was the bench's setting before issue 39)."""
     ports = FarmPorts.free(1)
     name = model.resolve().name
     listed = adapters if adapters and not upload else []
     cmd = [sys.executable, "-m", "lorafarm", "up", "--replicas", "1", "--state-dir", str(state),
            "--port", str(ports.router), "--registry-port", str(ports.registry), "--replica-port", str(ports.replica_base),
            "--base", f"{name}={model.resolve()}", *(["--adapters", *map(str, listed)] if listed else []),
-           "--replica-flags", replica_flags, "--router-flags", router_flags]
-    # every product on the replica's threads, as llama.cpp and vLLM use theirs: the bench gives each server
-    # the machine alone (the others paused), the host LORAFARM_PARALLEL_PRODUCTS=all is meant for
-    env = {**_threads_env(threads), "LORAFARM_PARALLEL_PRODUCTS": "all"}
+           f"--replica-flags={replica_flags}", f"--router-flags={router_flags}"]  # '=': a value may start with '--'
+    env = {**_threads_env(threads), **({"LORAFARM_PARALLEL_PRODUCTS": parallel_products} if parallel_products else {})}
     return OursServer("ours", installed, cmd, env, f"http://127.0.0.1:{ports.router}/health",
                       f"http://127.0.0.1:{ports.router}/v1", name, threads=threads, log=state / "up.log", settle_s=3.0,
                       model_dir=model.resolve(), uploads=adapters if upload else [], progress=progress)
@@ -239,7 +240,13 @@ class OursServer(Server):
         sem = asyncio.Semaphore(UPLOAD_CONCURRENCY)
         aliases: dict[str, str] = {}
         async with RegistryClient(farm["registry_url"], farm["admin_token"], timeout=120.0) as reg:
-            with tqdm(total=len(self.uploads), desc="ours: registering adapters", unit="adapter",
+            # a farm restarted over its state dir keeps what it registered: only the aliases it lacks are sent
+            # (the registry took ~0.5 s per adapter on a busy 2-core box: 40 min for 5,000, issue 39)
+            have = {a["alias"]: a["adapter_id"] for a in await reg.list_aliases(tenant)}
+            wanted = {f: f"{tenant}/{alias_name(f)}:prod" for f in self.uploads}
+            todo = [f for f, alias in wanted.items() if alias not in have]
+            aliases.update({alias: have[alias] for alias in wanted.values() if alias in have})
+            with tqdm(total=len(todo), desc="ours: registering adapters", unit="adapter",
                       disable=not self.progress) as bar:
 
                 async def one(folder: Path) -> None:
@@ -250,7 +257,7 @@ class OursServer(Server):
                     aliases[alias] = got["adapter_id"]
                     bar.update(1)
 
-                await asyncio.gather(*(one(f) for f in self.uploads))
+                await asyncio.gather(*(one(f) for f in todo))
         return aliases
 
 
@@ -270,10 +277,53 @@ def vllm(installed: Installed, model: Path, adapters: list[Path], logs: Path, th
         cmd += ["--enable-lora", "--max-loras", str(max_loras or len(adapters)), "--max-lora-rank", str(rank),
                 *(["--max-cpu-loras", str(cpu_loras)] if cpu_loras else []),
                 "--lora-modules", *[f"{a.name}={a.resolve()}" for a in adapters]]
-    env = {**_threads_env(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = vllm_cpu_env(installed, threads, kv_gib)
     return Server("vllm", installed, cmd, env, f"http://127.0.0.1:{port}/v1/models", f"http://127.0.0.1:{port}/v1",
                   "base", {a.name: (a.name, {}) for a in adapters}, threads, log=logs / "vllm.log")
+
+
+TCMALLOC_GLOBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_preloads(installed: Installed) -> list[str]:
+    """What vLLM's CPU installation docs ask to LD_PRELOAD ("set LD_PRELOAD": tcmalloc, then Intel's
+    OpenMP, libiomp5, which `vllm-cpu` installs with intel-openmp into its venv's lib/): the ones found
+    here. Without them its worker logs "libtcmalloc is not found in LD_PRELOAD" (and libiomp)."""
+    found = [p for p in TCMALLOC_GLOBS if Path(p).exists()][:1]
+    iomp = Path(installed.exe).parent.parent / "lib" / "libiomp5.so"
+    return found + ([str(iomp)] if iomp.exists() else [])
+
+
+def vllm_cpu_env(installed: Installed, threads: int, kv_gib: int) -> dict[str, str]:
+    """vLLM CPU as its installation docs set it up: the preloads, `threads` cores bound by
+    VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE GiB of KV cache."""
+    env = {**_threads_env(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if preloads := vllm_preloads(installed):
+        env["LD_PRELOAD"] = ":".join(preloads)
+    return env
+
+
+def vllm_longtail(installed: Installed, model: Path, folder: Path, names: list[str], logs: Path, threads: int,
+                  kv_gib: int = 4, rank: int = 32, max_loras: int = 8, cpu_loras: int = 256) -> Server:
+    """vLLM on its long-tail path: no adapter named at start; an unknown model name is resolved from
+    `folder`/<name> on first use (its filesystem LoRA resolver plugin, with runtime LoRA updating on),
+    loaded into its CPU cache (--max-cpu-loras, LRU) and `max_loras` at a time into the batch's slots.
+    The resolver accepts a folder whose adapter_config.json names the served model in
+    base_model_name_or_path: the model is served under its path (no --served-model-name)."""
+    port = _free_port()
+    python = str(Path(installed.exe).with_name("python"))
+    served = str(model.resolve())
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", served,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+           "--max-num-seqs", "32", "--uvicorn-log-level", "warning",
+           "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(rank),
+           "--max-cpu-loras", str(cpu_loras)]
+    env = {**vllm_cpu_env(installed, threads, kv_gib), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "VLLM_PLUGINS": "lora_filesystem_resolver", "VLLM_LORA_RESOLVER_CACHE_DIR": str(folder.resolve())}
+    return Server("vllm", installed, cmd, env, f"http://127.0.0.1:{port}/v1/models", f"http://127.0.0.1:{port}/v1",
+                  served, {n: (n, {}) for n in names}, threads, log=logs / "vllm.log")
 
 
 def llamacpp(installed: Installed, base_gguf: Path, loras: dict[str, Path], logs: Path, threads: int,
