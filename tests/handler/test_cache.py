@@ -536,6 +536,7 @@ async def test_disk_to_slot_reads_the_slot_image_straight_into_the_slot(engine, 
         assert await asyncio.to_thread(done.wait, 60)
         cache.release(a)
         await cache.unload(a)  # out of the slot and RAM; the verified folder and its image stay
+        await cache._image_written(a)  # the image is written off the load's path: wait for it, not for time
         assert cache.tier_of(a) == "disk" and (tmp_path / "adapters" / a / "slot-image.safetensors").exists()
         ram_before, disk_before = _moved(cache, "ram"), _moved(cache, "disk")
         assert await cache.acquire(a) == "disk"
