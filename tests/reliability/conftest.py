@@ -171,6 +171,8 @@ def replica_of_pid(farm, pid: int) -> int:
 
 
 def release_holds(farm) -> None:
+    if farm.get("_holds") is None:  # a farm started without the hold point
+        return
     for h in farm["_holds"].glob("*.held"):
         h.with_suffix(".release").touch()
 

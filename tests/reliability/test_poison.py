@@ -30,7 +30,8 @@ import pytest
 from lorafarm.openai_schemas import TEST_KILLER_ENV
 from tests.e2e.conftest import running, seeded_farm
 from tests.reliability.conftest import (
-    REGISTRY_ARGS, ROUTER_ARGS, client, farm_diagnostics, replica_state, restart_replica, router_health, wait_for,
+    REGISTRY_ARGS, ROUTER_ARGS, all_routed, client, farm_diagnostics, repair_farm, replica_state, restart_replica,
+    wait_for, wait_routed,
 )
 
 KILLER = "lorafarm-test-killer-body-8c1f2d"  # in a body: the replica that parses it dies (test farms only)
@@ -73,10 +74,6 @@ def _deaths(farm) -> float:
 
 def _poison(farm) -> float:
     return _metric(farm, "lorafarm_router_poison_requests_total")
-
-
-def _all_routed(farm) -> bool:
-    return router_health(farm)["replicas_healthy"] == len(farm["replicas"])
 
 
 class PopularLoad:
@@ -169,7 +166,7 @@ def _kill_with_the_body_in_flight(farm, load: PopularLoad, i: int) -> None:
         proc = farm["_farm"].procs[proc_name]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-        wait_for(lambda: not _all_routed(farm), 30, what=f"r{i} out of routing")
+        wait_for(lambda: not all_routed(farm), 30, what=f"r{i} out of routing")
         counted = _wait_quietly(lambda: _deaths(farm) > deaths, 15)
         if counted:
             wait_for(lambda: load.ok() > ok, 60, what="the popular body completing on another replica")
@@ -189,25 +186,10 @@ def _wait_quietly(predicate, timeout: float) -> bool:
     return bool(predicate())
 
 
-def _restore(farm, *replicas: int) -> None:
-    """Start every dead replica among `replicas` again, then wait until the router routes to all."""
-    f = farm["_farm"]
-    for i in replicas:
-        proc = f.procs[f"replica-r{i}"]
-        if proc.poll() is not None:
-            f.start_replica(i)  # waits for its /health
-            farm["replicas"][i]["pid"] = f.procs[f"replica-r{i}"].pid
-    try:
-        wait_for(lambda: _all_routed(farm), 90, what="every replica back in routing")
-    except BaseException:
-        print(farm_diagnostics(farm, *(f"replica-r{i}" for i in replicas)))
-        raise
-
-
 def test_three_ordinary_sigkills_of_one_replica_refuse_no_popular_body(pfarm, pkey):
     """A crash loop: r0 SIGKILLed three times (restarted in between) with the popular body in flight
     each time. One replica dying again and again is no evidence against the body: 0 refusals."""
-    wait_for(lambda: _all_routed(pfarm), 90, what="every replica in routing")
+    wait_routed(pfarm, 90)
     poison_before = _poison(pfarm)
     deaths_before = _deaths(pfarm)
     try:
@@ -221,7 +203,7 @@ def test_three_ordinary_sigkills_of_one_replica_refuse_no_popular_body(pfarm, pk
         print(farm_diagnostics(pfarm, "replica-r0"))
         raise
     finally:
-        _restore(pfarm, 0)
+        repair_farm(pfarm)
     assert _deaths(pfarm) - deaths_before >= 3  # the body was in flight at each of the three deaths
     assert load.refusals() == 0, dict(load.outcomes)
     assert _poison(pfarm) == poison_before
@@ -232,7 +214,7 @@ def test_one_crash_each_of_two_replicas_with_the_body_completing_elsewhere_refus
     """r0 dies with the popular body in flight, the body completes on the others; r0 is back; r1
     dies with it in flight, it completes elsewhere again: two distinct replicas died with it, but it
     completed in between, so it is no poison (before: refused for 10 minutes)."""
-    wait_for(lambda: _all_routed(pfarm), 90, what="every replica in routing")
+    wait_routed(pfarm, 90)
     poison_before = _poison(pfarm)
     try:
         with PopularLoad(pfarm, pkey) as load:
@@ -244,7 +226,7 @@ def test_one_crash_each_of_two_replicas_with_the_body_completing_elsewhere_refus
             wait_for(lambda: load.ok() > ok, 60, what="completions after both crashes")
         print("two crashes outcomes:", dict(load.outcomes))
     finally:
-        _restore(pfarm, 0, 1)
+        repair_farm(pfarm)
     assert load.refusals() == 0, dict(load.outcomes)
     assert _poison(pfarm) == poison_before
 
@@ -253,7 +235,7 @@ def test_the_killer_body_costs_at_most_two_replicas_and_is_then_refused(pfarm, p
     """The test-only killer body kills every replica it reaches: the first dies, the request goes to
     one more (which dies too), then it is answered 400 poison_request naming both; sent again, it is
     refused before any replica (the third keeps serving), and still once both are back."""
-    wait_for(lambda: _all_routed(pfarm), 90, what="every replica in routing")
+    wait_routed(pfarm, 90)
     procs = pfarm["_farm"].procs
     ids = [r["replica_id"] for r in pfarm["replicas"]]
     c = client(pfarm, pkey, timeout=SAFETY)
@@ -282,7 +264,7 @@ def test_the_killer_body_costs_at_most_two_replicas_and_is_then_refused(pfarm, p
         raw = c.chat.completions.with_raw_response.create(model=BASE, messages=POPULAR, max_tokens=4)
         assert raw.headers["x-replica-id"] == ids[survivor]  # the farm serves on
     finally:
-        _restore(pfarm, 0, 1, 2)
+        repair_farm(pfarm)
     with pytest.raises(openai.BadRequestError) as later:  # back in routing: still refused (cool-off)
         c.chat.completions.create(model=BASE, messages=killer, max_tokens=4)
     assert later.value.body["code"] == "poison_request"
