@@ -464,13 +464,7 @@ class Scheduler:
         at the head of the queue; admitted again (`_resume`) when its tenant's turn comes, it goes on
         where it stopped. Its blocks are the first taken when the cache runs short (`_release_parked`:
         then it is recomputed, as `_preempt` would have had it)."""
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-        else:
-            self.running.remove(r)
-        self.waiting.appendleft(r)
-        self.preemptions += 1
-        self.policy.requeue(r.tenant, "share")
+        self._requeue(r, "share")
         log.info("parked request %s of tenant %s (keeps %d cached tokens): a tenant below its share of rows waits",
                  r.id, r.tenant, r.prefilled)
 
@@ -492,30 +486,33 @@ class Scheduler:
         if not parked:
             return False
         youngest = self._youngest_by_tenant(parked)
-        r = youngest[self.policy.most_over(youngest)]
-        self.kv.free(r.blocks)
-        r.blocks = None
-        r.ctx = r.prompt + r.out
-        r.prefilled = 0
-        r.hashes = None
+        self._drop_cache(youngest[self.policy.most_over(youngest)])
         return True
 
     def _preempt(self, r: Request, reason: str = "kv") -> None:
         """Free a request's cache and put it back at the head of the queue, to be recomputed."""
+        self._requeue(r, reason)
+        self._drop_cache(r)
+        log.info("preempted request %s of tenant %s (%d tokens to recompute): %s", r.id, r.tenant, len(r.ctx),
+                 "KV cache full" if reason == "kv" else "a tenant below its share of rows waits")
+
+    def _requeue(self, r: Request, reason: str) -> None:
+        """Take an admitted request out of the batch and put it back at the head of the queue."""
         if r in self.prefilling:
             self.prefilling.remove(r)
         else:
             self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.preemptions += 1
+        self.policy.requeue(r.tenant, reason)
+
+    def _drop_cache(self, r: Request) -> None:
+        """Free a request's KV blocks: it is prefilled again from its prompt and output (recompute)."""
         self.kv.free(r.blocks)
         r.blocks = None
         r.ctx = r.prompt + r.out
         r.prefilled = 0
         r.hashes = None  # ctx changed: hashed again at readmission
-        self.waiting.appendleft(r)
-        self.preemptions += 1
-        self.policy.requeue(r.tenant, reason)
-        log.info("preempted request %s of tenant %s (%d tokens to recompute): %s", r.id, r.tenant, len(r.ctx),
-                 "KV cache full" if reason == "kv" else "a tenant below its share of rows waits")
 
     def _charge_out(self, r: Request) -> None:
         """Charge the request's tenant the tokens it generated since the last charge."""
