@@ -45,3 +45,23 @@ def test_wait_until_on_an_event_loop():
             await wait_until(lambda: False, 0.05, what="never")
 
     asyncio.run(main())
+
+
+def test_wait_until_awaits_an_async_or_threaded_condition():
+    async def main():
+        calls = []
+
+        async def check():
+            calls.append(1)
+            return len(calls) >= 3 and "third"
+
+        assert await wait_until(check, 10, interval=0.001) == "third"
+        assert await wait_until(lambda: asyncio.to_thread(lambda: {"in": "a thread"}), 10) == {"in": "a thread"}
+
+        async def refused():
+            raise httpx.ConnectError("refused")
+
+        with pytest.raises(pytest.fail.Exception, match=r"async never.*ConnectError"):
+            await wait_until(refused, 0.05, what="async never")
+
+    asyncio.run(main())

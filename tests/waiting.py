@@ -41,12 +41,21 @@ def wait_for(predicate: Callable, timeout: float, *, what: str | None = None, in
 
 async def wait_until(predicate: Callable, timeout: float = 10.0, interval: float = 0.02, *,
                      what: str | None = None, logs: Logs = None):
-    """`wait_for` on an event loop (the loop keeps running between polls). Returns the value, so
-    `assert await wait_until(...)` reads as before; a timeout fails with the full message."""
+    """`wait_for` on an event loop (the loop keeps running between polls). The predicate may return
+    an awaitable (an async check, or `asyncio.to_thread(blocking_check)`), which is awaited. Returns
+    the value, so `assert await wait_until(...)` reads as before; a timeout fails with the full
+    message."""
     w = _Wait(predicate, timeout, what, logs)
-    while (value := w.poll()) is None:
+    while True:
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+        except NOT_YET as e:
+            value = e
+        if (value := w.check(value)) is not None:
+            return value
         await asyncio.sleep(interval)
-    return value
 
 
 class _Wait:
@@ -61,6 +70,10 @@ class _Wait:
             value = self.predicate()
         except NOT_YET as e:
             value = e
+        return self.check(value)
+
+    def check(self, value):
+        """`value` when truthy (and not a "not yet" error), else None; fails the test past the deadline."""
         if value and not isinstance(value, BaseException):
             return value
         self.last = value

@@ -19,6 +19,7 @@ import pytest
 
 from handler.grammar.pool import FAULT_ENV, FAULT_TITLE
 from tests.handler.conftest_service import ReplicaServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -56,12 +57,9 @@ def on_loop(srv, fn):
 
 
 async def until(pred, what: str, deadline_s: float = 300.0) -> None:
-    """Wait for a state (the deadline is only against a hang: nothing here is timed)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not await asyncio.to_thread(pred):
-        assert loop.time() < end, f"never reached: {what}"
-        await asyncio.sleep(0.02)
+    """Wait for a state (the deadline is only against a hang: nothing here is timed); `pred` blocks
+    on HTTP, so it runs in a thread while the test's other tasks go on."""
+    await wait_until(lambda: asyncio.to_thread(pred), deadline_s, what=what)
 
 
 def chat(content: str = "a user record", **kw) -> dict:
