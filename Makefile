@@ -99,8 +99,11 @@ test: $(VENV)/.installed-dev
 # UNDER_LOAD_CPUS` (a busy 2-core box, issues 26 and 36): each run's exit status and time are printed (and appended
 # to $(STATE_DIR)/test-under-load.log), the target fails if any run failed, and stress-ng is stopped at the end, even
 # on failure or Ctrl-C. Debian's stress-ng is installed with apt-get when missing. UNDER_LOAD_TEST replaces the
-# command run (e.g. `make test` where .ci/run cannot install services, or a dry check: `true`).
+# command run (e.g. `make test` where .ci/run cannot install services, or a dry check: `true`). Each run starts
+# with empty compile caches, as on a new machine (UNDER_LOAD_FRESH=1, the default): lorafarm's kernels and inductor
+# folders under $$LORAFARM_CACHE_DIR (else ~/.cache/lorafarm) and torch's /tmp/torchinductor_$$USER are deleted first.
 UNDER_LOAD_RUNS ?= 3
+UNDER_LOAD_FRESH ?= 1
 UNDER_LOAD_CPUS ?= 2
 UNDER_LOAD_TEST ?= bash .ci/run
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -114,6 +117,11 @@ test-under-load: $(VENV)/.installed-dev
 	rc=0; summary=""; \
 	for i in $$(seq 1 $(UNDER_LOAD_RUNS)); do \
 		echo "test-under-load: run $$i of $(UNDER_LOAD_RUNS) beside stress-ng --cpu $(UNDER_LOAD_CPUS) (pid $$sp)"; \
+		if [ "$(UNDER_LOAD_FRESH)" = 1 ]; then \
+			cache=$${LORAFARM_CACHE_DIR:-$$HOME/.cache/lorafarm}; \
+			rm -rf "$$cache/kernels" "$$cache/inductor" "/tmp/torchinductor_$$(id -un)"; \
+			echo "test-under-load: compile caches emptied ($$cache/kernels, $$cache/inductor, /tmp/torchinductor_$$(id -un))"; \
+		fi; \
 		t0=$$(date +%s); $(UNDER_LOAD_TEST); r=$$?; t1=$$(date +%s); \
 		line="run $$i: exit $$r in $$((t1 - t0)) s"; summary="$$summary$$line\n"; \
 		echo "test-under-load: $$line"; echo "$$(date -u +%FT%TZ) $$line" >> $(STATE_DIR)/test-under-load.log; \
