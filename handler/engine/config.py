@@ -20,6 +20,11 @@ from handler.engine.fairness import W_DECODE, W_PREFILL
 from handler.engine.speculate import SPECULATE_MAX_ROWS, SPECULATE_TOKENS
 
 DEFAULT_RANK_POOLS = {8: 8, 16: 8, 32: 8, 64: 4}
+# decode rows per contended step on the CPU (fairness.py: contended steps). A first token waits for the
+# step in progress, then for its own prefill step; a step no longer than that prefill step keeps it
+# within about twice its time alone. SmolLM2-135M, 2 cores: an 8-row decode step 76-84 ms, 16 rows
+# 104-140 ms, a newcomer's ~10-token prefill step 60-77 ms; per token 8 rows cost 1.2-1.5x 16 rows.
+CPU_CONTENDED_ROWS = 8
 DTYPES = ("float32", "bfloat16", "float16")  # names, so that building the CLI's parser needs no torch
 
 
@@ -82,9 +87,9 @@ class EngineConfig:
     contended_rows: int | None = field(default=None, metadata=_flag(
         "--contended-rows", "fair scheduling, while a tenant below its share of rows has requests beside another "
         "tenant: decode rows per step at most (the batch's rows take turns), so that a step the light tenant waits "
-        "on stays short (default: half "
-        "of --max-batch on the CPU, where a step's time grows with its rows; --max-batch on an accelerator, "
-        "where it hardly does)"))
+        "on stays short (default: on the CPU, where a step's time grows with its rows, "
+        f"{CPU_CONTENDED_ROWS}, a step about as long as a newcomer's own prefill step; --max-batch on an "
+        "accelerator, where it hardly does)"))
     fair_prefill_weight: float = W_PREFILL  # a prompt token in the fairness counters
     fair_decode_weight: float = W_DECODE  # a generated token in the fairness counters
 
@@ -112,12 +117,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
 
     def resolved_contended_rows(self, device: torch.device) -> int:
-        """Decode rows per contended step: the flag, or half the batch on the CPU (measured on
-        SmolLM2-135M, 2 cores: a 16-row decode step costs about as much per row as a 32-row one, at
-        half the time; 8 rows cost 1.7x per row) and the whole batch on an accelerator."""
+        """Decode rows per contended step: the flag, or on the CPU `CPU_CONTENDED_ROWS` (at most the
+        batch), and the whole batch on an accelerator."""
         if self.contended_rows is not None:
             return max(1, min(int(self.contended_rows), self.max_batch))
-        return self.max_batch if device.type != "cpu" else max(1, self.max_batch // 2)
+        return self.max_batch if device.type != "cpu" else max(1, min(CPU_CONTENDED_ROWS, self.max_batch))
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -38,11 +38,12 @@ with weights, plus a row share:
   (blocks freed, output kept: greedy output is unchanged).
 - Contended steps (the scheduler's, not a policy decision: the rows of one step). While two or
   more clients are active and one of them holds fewer rows than it is guaranteed (a light client
-  beside a heavy one; when every client holds its share, steps stay whole) a step decodes at most R rows (`--contended-rows`; on a CPU, where a
-  step's time grows with its rows, half the batch), split between the clients by weight, each
+  beside a heavy one; when every client holds its share, steps stay whole) a step decodes at most R rows
+  (`--contended-rows`; on a CPU, where a step's time grows with its rows, about as many as make a
+  step as long as a newcomer's own prefill step), split between the clients by weight, each
   client's least recently decoded rows first, so that a step another client waits on stays short;
-  and a step carrying a short prefill of a client below its share decodes only as many rows as
-  keep it a small step (its first token then costs about what it costs alone).
+  and a step carrying a short prefill of a client below its share decodes only the rows of clients
+  below their share (its first token then waits for its own prefill, as it does alone).
 - KV preemption. When a decode row cannot grow (the KV cache is full), the youngest request of the
   client most over its share goes (ties: the youngest request), never the oldest admitted request
   while another is admitted: the oldest always fits alone (prompt + max_tokens <= the cache), so

@@ -27,8 +27,8 @@ first come, first served order for comparison (the policy then only counts). Ste
 - Prefill chunks: prompts in admission order within `max_prefill_tokens` per step (a long prompt is
   split); batch-invariant, chunks at fixed offsets (multiples of max_prefill_tokens), whole or not at
   all (`_fixed_offset_chunks`). Decode rows: every running request, ordered by adapter slot; fair,
-  while two or more tenants are active, at most `contended_rows` of them, taking turns, and fewer in
-  a step carrying a newcomer's short prefill (`_decode_rows`).
+  while two or more tenants are active, at most `contended_rows` of them, taking turns, and in a step
+  carrying a newcomer's short prefill only the light tenants' rows (`_decode_rows`).
 - Accounting (both modes): each tenant is charged the prompt tokens it had prefilled (not cache
   hits, not recompute) and the tokens it generated (at the next plan, or when it ends), its
   requests' admission waits and preemptions (`FairPolicy.ledger`).
@@ -189,15 +189,16 @@ class Scheduler:
         together and a run of consecutive slots is read from the stacks as a view instead of a
         gathered copy). Fair, with two or more tenants active and one of them below its guaranteed
         rows (a light tenant beside a heavy one), so that a step the light one waits on stays short:
-        at most `contended_rows` (`_rotated_rows`); and when the step carries a short
-        prefill of a tenant below its share (a newcomer waiting for its first token), only as many
-        as keep the step within `small_step_rows` (its first token then costs about what it costs
-        alone)."""
+        at most `contended_rows` (`_rotated_rows`); and a step that carries a short prefill of a
+        tenant below its share (a newcomer waiting for its first token) decodes only the rows of
+        tenants below their share, within `small_step_rows` in all: its first token then waits for
+        its own prefill, as it does alone, not for another tenant's rows beside it."""
         rows = self.running
         if self.fair and len(self.policy.clients) > 1 and self.policy.any_below_share():
             k = self.contended_rows
             prompt = sum(n for _, n in prefill)
             if 0 < prompt < self.small_step_rows and any(self.policy.below_share(r.tenant) for r, _ in prefill):
+                rows = [r for r in rows if self.policy.below_share(r.tenant)]
                 k = min(k, self.small_step_rows - prompt)
             if len(rows) > k:
                 rows = self._rotated_rows(rows, k)
