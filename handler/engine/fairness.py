@@ -43,7 +43,9 @@ with weights, plus a row share:
   step as long as a newcomer's own prefill step), split between the clients by weight, each
   client's least recently decoded rows first, so that a step another client waits on stays short;
   and a step carrying a short prefill of a client below its share decodes only the rows of clients
-  below their share (its first token then waits for its own prefill, as it does alone).
+  below their share (its first token then waits for its own prefill, as it does alone). Steps stay
+  contended for a short while (the scheduler's CONTENDED_LINGER_S) after the light client's last
+  request ends: its next one most likely comes soon, and would otherwise land in a whole-batch step.
 - KV preemption. When a decode row cannot grow (the KV cache is full), the youngest request of the
   client most over its share goes (ties: the youngest request), never the oldest admitted request
   while another is admitted: the oldest always fits alone (prompt + max_tokens <= the cache), so

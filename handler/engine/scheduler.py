@@ -27,8 +27,9 @@ first come, first served order for comparison (the policy then only counts). Ste
 - Prefill chunks: prompts in admission order within `max_prefill_tokens` per step (a long prompt is
   split); batch-invariant, chunks at fixed offsets (multiples of max_prefill_tokens), whole or not at
   all (`_fixed_offset_chunks`). Decode rows: every running request, ordered by adapter slot; fair,
-  while two or more tenants are active, at most `contended_rows` of them, taking turns, and in a step
-  carrying a newcomer's short prefill only the light tenants' rows (`_decode_rows`).
+  while two or more tenants are active (and CONTENDED_LINGER_S after), at most `contended_rows` of
+  them, taking turns, and in a step carrying a newcomer's short prefill only the light tenants' rows
+  (`_decode_rows`).
 - Accounting (both modes): each tenant is charged the prompt tokens it had prefilled (not cache
   hits, not recompute) and the tokens it generated (at the next plan, or when it ends), its
   requests' admission waits and preemptions (`FairPolicy.ledger`).
@@ -50,6 +51,11 @@ from handler.model.kvcache import KVCache
 from handler.model.prefix_cache import chain_hashes, chain_root
 
 log = logging.getLogger(__name__)
+
+# Seconds steps stay contended after the light tenant's last request ends: its next request most
+# likely comes within them (a chat's next turn, a client's next call), and would otherwise arrive
+# during a whole-batch step, the longest there is.
+CONTENDED_LINGER_S = 2.0
 
 
 @dataclass
@@ -81,6 +87,8 @@ class Scheduler:
         # rows (prompt tokens + decode rows) of a step the executor runs fast (the C decode step's
         # prefill steps): a newcomer's short prefill is given such a step while tenants contend; 0: never
         self.small_step_rows = int(small_step_rows)
+        self.clock = time.monotonic
+        self._contended_until = 0.0  # steps stay contended until then (CONTENDED_LINGER_S)
         self.cache_key = cache_key
         self.scheduling, self.fair = scheduling, scheduling == "fair"
         self.policy = FairPolicy(max_batch, w_prefill=w_prefill, w_decode=w_decode)
@@ -195,6 +203,8 @@ class Scheduler:
         its own prefill, as it does alone, not for another tenant's rows beside it."""
         rows = self.running
         if self.fair and len(self.policy.clients) > 1 and self.policy.any_below_share():
+            self._contended_until = self.clock() + CONTENDED_LINGER_S
+        if self.fair and self._contended_until and self.clock() < self._contended_until:
             k = self.contended_rows
             prompt = sum(n for _, n in prefill)
             if 0 < prompt < self.small_step_rows and any(self.policy.below_share(r.tenant) for r, _ in prefill):

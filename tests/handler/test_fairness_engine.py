@@ -11,6 +11,7 @@ import pytest
 
 from handler.engine.config import CPU_CONTENDED_ROWS
 from handler.engine.engine import Engine, SamplingParams, TokenEvent
+from handler.engine.scheduler import CONTENDED_LINGER_S
 from lorafarm.dev.adapters import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -176,6 +177,35 @@ def test_a_newcomers_short_prefill_gets_a_small_step(dev_model, prompts):
     assert col.per_step[arrived + 2] == {"a": e.scheduler.contended_rows - 1, "v": 1}
     drain(e)
     assert all(len(t) == 60 for r, t in col.tokens.items() if r.startswith("a"))
+
+
+def test_steps_stay_short_a_while_after_the_light_tenant_leaves(dev_model, prompts):
+    """A light tenant's next request most likely comes soon after its last one ended: steps stay
+    contended for CONTENDED_LINGER_S after it leaves (on the scheduler's clock), then go whole."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=32, rank_pools={})
+    now = [100.0]
+    e.scheduler.clock = lambda: now[0]
+    col = Steps(e)
+    for i in range(20):
+        e.add_request(f"a{i}", prompts[i], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True), None, col,
+                      tenant="a")
+    for _ in range(3):
+        e.step()
+    assert col.per_step[e.scheduler.steps] == {"a": 20}  # alone: whole steps
+    e.add_request("v0", prompts[30][:6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), None, col,
+                  tenant="v")
+    while "v0" not in col.done:
+        e.step()
+    k = e.scheduler.contended_rows
+    e.step()  # the light tenant has gone: still contended
+    assert col.per_step[e.scheduler.steps] == {"a": k}
+    now[0] += CONTENDED_LINGER_S - 0.1
+    e.step()
+    assert col.per_step[e.scheduler.steps] == {"a": k}
+    now[0] += 0.2  # past the linger: the whole batch again
+    e.step()
+    assert col.per_step[e.scheduler.steps] == {"a": 20}
+    drain(e)
 
 
 def test_fifo_makes_the_victim_wait_for_the_attacker(attack_runs):
