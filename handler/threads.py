@@ -1,11 +1,13 @@
 """Thread priority for background work that must yield to serving (adapter loads, grammar
-matchers), and fair shares of the work a tenant can pile up (`TenantQueues`, `FairThreadPool`).
+matchers), fair shares of the work a tenant can pile up (`TenantQueues`, `FairThreadPool`), and
+the hand-over of the engine thread's events to the serving loop (`LoopInbox`).
 Imports nothing of handler/: every room may use it."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import threading
 
@@ -288,3 +290,36 @@ def _settle(fut, result, error) -> None:
 def _cancel(fut) -> None:
     if not fut.done():
         fut.cancel()
+
+
+class LoopInbox:
+    """Calls posted from other threads (the engine's events), run on an asyncio loop in the order
+    posted, with one wake-up of the loop per batch: the engine posts one event per row and step, and
+    a wake-up per event (a self-pipe write, a GIL hand-over) would cost the loop and the engine
+    thread more than the events do. A post after the loop closed is dropped (shutdown)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._scheduled = False
+
+    def post(self, fn, arg) -> None:
+        with self._lock:
+            self._items.append((fn, arg))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for fn, arg in items:
+            try:
+                fn(arg)
+            except Exception:  # noqa: BLE001 - one receiver's failure loses no other's event
+                logging.getLogger(__name__).exception("posted call %r failed", fn)

@@ -51,7 +51,7 @@ from handler.serving.config import REPLICA_ENGINE, Limits
 from handler.serving.metrics import ReplicaMetrics, RequestTimer
 from handler.serving.prep import FairQueuesCollector, TokenBound, prep_pool
 from handler.serving.shedding import fair_admits
-from handler.threads import FairThreadPool, QueueFull
+from handler.threads import FairThreadPool, LoopInbox, QueueFull
 from lorafarm import openai_schemas as oai
 from lorafarm.schemas import HeldAdapter, ReplicaState
 
@@ -230,10 +230,7 @@ class Generation:
 
     # called on the engine thread: must not block
     def _on_event(self, ev) -> None:
-        try:
-            self.h._loop.call_soon_threadsafe(self._deliver, ev)
-        except RuntimeError:  # loop closed during shutdown
-            pass
+        self.h.events.post(self._deliver, ev)
         if self.greq.hold is not None:  # test farms only: may block here, after the token went out
             self.greq.hold.on_event(ev)
 
@@ -467,6 +464,7 @@ class LoraHandler:
         self.base_config: dict = {}
         self.models: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.events: LoopInbox | None = None  # engine events to the loop, one wake-up per batch
         self._inflight: dict[str, Generation] = {}
         self._waiting_for_adapter = 0
         self._tasks: set[asyncio.Task] = set()
@@ -532,6 +530,7 @@ class LoraHandler:
         ctx = self.context
         assert ctx is not None and self.engine is not None
         self._loop = asyncio.get_running_loop()
+        self.events = LoopInbox(self._loop)
         self.cache = AdapterCache(
             self.engine, base_config=self.base_config, base_model_hash=self.base_model_hash,
             trusted_keys=ctx.trusted_keys, source=ctx.source, disk_dir=ctx.disk_dir,
