@@ -7,9 +7,12 @@ pools of 8 slots whatever the model: 4.3 GB of RSS for SmolLM2-135M on a CPU. No
   - on the CPU: half the weights' bytes or 2% of the machine's RAM, whichever is less (several
     replicas share a host, and a CPU decodes few long contexts at once), at least 64 MiB, at most 2 GiB;
   - on CUDA: half of what the device holds beyond the weights (90% of its memory), at least 256 MiB.
-- Adapter slots from a byte budget (CPU: 40% of the weights' bytes, at least 64 MiB; CUDA: 10% of
-  the device memory beyond the weights): one slot in every rank pool up to the rank limit (so any
-  accepted rank loads), then the smallest ranks first up to 8 slots a pool (the old default).
+- Adapter slots from a byte budget (CPU: 40% of the weights' bytes or 2% of the machine's RAM,
+  whichever is more, at least 64 MiB; CUDA: 10% of the device memory beyond the weights): one slot in
+  every rank pool up to the rank limit (so any accepted rank loads), then the smallest ranks first up
+  to 8 slots a pool (the old default). The RAM share is for small models: with 40% of SmolLM2-135M's
+  weights alone (216 MB) the pools were 8:8, 16:1, 32:1, 64:1, and in the real-model load test (ranks
+  8/16/32 in the shares 60/30/10) every rank-16 and rank-32 adapter queued for its pool's one slot.
 
 Each pool also has a slot 0 (the no-adapter slot), not counted: the kernels never read it and its
 pages are never written, so on the CPU it takes no memory (handler.model.runner.zeroed); nor do slots no
@@ -107,7 +110,7 @@ def size_replica(cfg: dict, *, dtype_bytes: int, device: str, max_batch: int, ra
         lora_budget = max(256 * MiB, spare // 10)
     else:
         kv = min(want, max(64 * MiB, min(weights // 2, mem // 50)), 2 * GiB)
-        lora_budget = max(64 * MiB, weights * 2 // 5)
+        lora_budget = max(64 * MiB, weights * 2 // 5, mem // 50)
     ranks = [r for r in POOL_RANKS if r <= rank_limit] or [rank_limit]
     pools = {r: 1 for r in ranks}
     used = sum(slot_bytes(cfg, r, dtype_bytes) for r in ranks)
