@@ -384,9 +384,9 @@ class Engine:
 def _tokenizer(model_dir: Path, config) -> tuple:
     """The model's tokenizer and every id that ends a sequence (model config, tokenizer and
     generation_config.json)."""
-    from handler.model.tokenizer import load_tokenizer  # transformers' only where the tokenizer needs it
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import; only engines need it
 
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     eos = set(config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
