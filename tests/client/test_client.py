@@ -22,6 +22,7 @@ from lorafarm.client import (
     parse_duration,
 )
 from tests.registry.helpers import ADMIN_TOKEN, free_port, live_server, make_adapter, unique
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +104,12 @@ async def test_async_client_rollout_and_metrics(url, folders):
         async def push():
             await reg.push_version_stats(0.2, [window(v1, 20), window(v2, 5)], router_id="test")
 
-        for _ in range(100):
+        async def pushed_until_done():
             await push()
-            r = await reg.get_rollout(ro["rollout_id"])
-            if r["state"] != "running":
-                break
-            await asyncio.sleep(0.1)
+            return (await reg.get_rollout(ro["rollout_id"]))["state"] != "running"
+
+        await wait_until(pushed_until_done, 20, interval=0.1,
+                         what=f"rollout {ro['rollout_id']} no longer running")
         done = await reg.wait_rollout(ro["rollout_id"], timeout=10, poll_s=0.1)
         assert done["state"] == "promoted"
         m = await reg.alias_metrics(alias, window_s=60)

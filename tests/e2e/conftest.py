@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from lorafarm.farm import Farm, FarmPorts
+from tests.waiting import wait_for
 
 E2E_ADAPTERS = 16
 
@@ -43,6 +46,27 @@ def running(farm: Farm):
             text = log.read_text(errors="replace")
             if "Traceback" in text:
                 print(f"--- {log.name} (tail) ---\n{text[-3000:]}")
+
+
+def read_until(proc, text: str, timeout: float, *, logs: Path | None = None) -> str:
+    """Read `proc`'s stdout (a text pipe) on a thread, so the pipe never fills, until `text` has been
+    printed or the output ended (the process exited); returns the output so far. A timeout fails the
+    test with the output's tail and those of the *.log files in `logs` (tests.waiting)."""
+    lines: list[str] = []
+    ended = threading.Event()
+
+    def read():
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+        finally:
+            ended.set()
+
+    threading.Thread(target=read, name="stdout-reader", daemon=True).start()
+    tails = [lambda: "--- output (last 3000 characters)\n" + "".join(lines)[-3000:]]
+    wait_for(lambda: text in "".join(lines) or ended.is_set(), timeout, what=f"{text!r} printed",
+             interval=0.05, logs=tails + ([] if logs is None else [logs]))
+    return "".join(lines)
 
 
 @pytest.fixture(scope="session")

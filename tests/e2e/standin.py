@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import uvicorn
 from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
+
+from tests.waiting import wait_for
 
 
 class StandIn:
@@ -92,9 +93,8 @@ class StandIn:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: self._server.started, 60, interval=0.02,
+                 what=f"the stand-in serving on port {self.port}")
         return self
 
     def stop(self) -> None:

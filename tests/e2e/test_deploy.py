@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
 from openai import AsyncOpenAI
 
 from lorafarm.registry_client import RegistryClient
+from tests.waiting import wait_until
 
 ROUTER_ALIAS_BOUND_S = 3.0  # routing-table poll every 1 s, plus a request in flight
 
@@ -29,7 +31,16 @@ def test_alias_flip_and_rollback_under_load(farm, tenant, adapter_markers):
         results: list[tuple[float, str, str]] = []
         try:
             await reg.set_alias(alias, first)
-            await asyncio.sleep(ROUTER_ALIAS_BOUND_S)
+
+            async def routed() -> bool:  # the new alias answers before the load starts
+                try:
+                    await client.chat.completions.create(
+                        model=alias, messages=[{"role": "user", "content": "routed?"}], max_tokens=1)
+                except openai.NotFoundError:
+                    return False
+                return True
+
+            await wait_until(routed, 60, interval=0.2, what=f"{alias} routed")
             stop = asyncio.Event()
 
             async def worker():
@@ -41,15 +52,15 @@ def test_alias_flip_and_rollback_under_load(farm, tenant, adapter_markers):
                     results.append((done, raw.headers["x-adapter-id"], raw.parse().choices[0].message.content))
 
             workers = [asyncio.create_task(worker()) for _ in range(8)]
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(2.0)  # the subject: load on the first version for a while
             deploying_at = time.monotonic()  # a response done before this was routed before the deploy
             await reg.set_alias(alias, second)  # deploy
             flipped_at = time.monotonic()  # the router may apply it before this (it long-polls the table)
-            await asyncio.sleep(2 * ROUTER_ALIAS_BOUND_S)
+            await asyncio.sleep(2 * ROUTER_ALIAS_BOUND_S)  # the subject: load through the deploy and past
             rolling_at = time.monotonic()
             await reg.rollback_alias(alias)  # rollback
             rolled_at = time.monotonic()
-            await asyncio.sleep(2 * ROUTER_ALIAS_BOUND_S)
+            await asyncio.sleep(2 * ROUTER_ALIAS_BOUND_S)  # likewise through the rollback
             stop.set()
             await asyncio.gather(*workers)
             return results, (deploying_at, flipped_at, rolling_at, rolled_at)

@@ -9,13 +9,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 
 from tests.handler.conftest_service import wait_healthy
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def worker(tmp_path_factory):
                             start_new_session=True)
     try:
         wait_healthy(proc, url, lambda: log.read_text()[-3000:], timeout=180, what="the embedding worker")
-        yield {"url": url, "folder": folder}
+        yield {"url": url, "folder": folder, "log": log}
     finally:
         proc.terminate()
         try:
@@ -64,10 +64,13 @@ def test_small_request_is_answered_while_a_huge_one_of_another_tenant_runs(worke
     t = threading.Thread(target=attack, daemon=True)
     t.start()
     # wait until the big request is in the worker's batcher (its state counts it as running)
-    deadline = time.monotonic() + 120
-    while httpx.get(url + "/internal/replicas/e9/state", timeout=10).json()["running"] < 1:
-        assert t.is_alive() and time.monotonic() < deadline, "the big request never reached the batcher"
-        time.sleep(0.005)
+    def in_batcher() -> bool:
+        if httpx.get(url + "/internal/replicas/e9/state", timeout=10).json()["running"] >= 1:
+            return True
+        assert t.is_alive(), "the big request ended before it was seen in the batcher"
+        return False
+
+    wait_for(in_batcher, 120, interval=0.005, what="the big request in the batcher", logs=worker["log"])
     small = _embed(url, "victim", "a small question")
     assert "answer" not in huge, "the small request waited for all 2,048 inputs"
     state = httpx.get(url + "/internal/replicas/e9/state", timeout=10).json()

@@ -81,9 +81,8 @@ def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries, stop):
     """`lorafarm up` in the foreground: ready banner, farm.json, then SIGTERM stops all children; so
     does SIGINT when the farm was started with SIGINT ignored (it left the replicas orphaned)."""
     import json
-    import time
 
-    from tests.e2e.conftest import seeded_farm
+    from tests.e2e.conftest import read_until, seeded_farm
 
     ports = seeded_farm(tmp_path, dev_model, canaries, replicas=1, adapters=4).ports
     proc = subprocess.Popen(
@@ -95,13 +94,7 @@ def test_up_then_sigterm_stops_every_child(tmp_path, dev_model, canaries, stop):
         preexec_fn=_sigint_ignored if stop.startswith("SIGINT") else None,
     )  # fmt: skip
     try:
-        banner = ""
-        deadline = time.monotonic() + 300
-        while "Ctrl-C stops the farm" not in banner and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            banner += line
+        banner = read_until(proc, "Ctrl-C stops the farm", 300, logs=tmp_path / "logs")
         assert "Ctrl-C stops the farm" in banner, banner[-3000:]
         info = json.loads((tmp_path / "farm.json").read_text())
         key = info["tenants"][0]["api_key"]

@@ -12,14 +12,13 @@ its own so the shared farm's demo tenant is untouched:
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import httpx
 import openai
 
 from tests.deploy.monitoring import exported_metrics, queried_metrics
+from tests.waiting import wait_until
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -45,15 +44,6 @@ def _held(farm) -> dict[str, set[str]]:
     return out
 
 
-async def _until(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached in {timeout:.0f} s")
-        await asyncio.sleep(0.5)
-    return value
-
-
 async def test_echo_catalog_retire_metrics_logs(farm, canaries):
     tenant = "platform"
     alias = f"{tenant}/bot:prod"
@@ -63,13 +53,14 @@ async def test_echo_catalog_retire_metrics_logs(farm, canaries):
     try:
         # A new alias is routable once the router's table has it (read-your-writes may make this immediate).
         async def ask(model, **kw):
-            for _ in range(60):
+            async def answered():
                 try:
                     return await client.chat.completions.with_raw_response.create(
                         model=model, messages=MSG, max_tokens=4, temperature=0, **kw)
                 except openai.NotFoundError:
-                    await asyncio.sleep(0.5)
-            raise AssertionError(f"{model} never became routable")
+                    return None
+
+            return await wait_until(answered, 60, interval=0.5, what=f"{model} routable")
 
         raw = await ask(alias)
         assert raw.headers["x-adapter-id"] == v1 and raw.parse().model == alias
@@ -92,8 +83,10 @@ async def test_echo_catalog_retire_metrics_logs(farm, canaries):
 
         async with RegistryClient(farm["registry_url"], farm["admin_token"]) as reg:
             await reg.set_alias(alias, v2)
-        await _until(lambda: not any(v1 in held for held in _held(farm).values()), what=f"{v1} unloaded")
-        await _until(lambda: http.get(f"/v1/models/{alias}").json()["root"] == v2, what="router sees the deploy")
+        await wait_until(lambda: not any(v1 in held for held in _held(farm).values()), 60, interval=0.5,
+                         what=f"{v1} unloaded")
+        await wait_until(lambda: http.get(f"/v1/models/{alias}").json()["root"] == v2, 60, interval=0.5,
+                         what="router sees the deploy")
         raw = await ask(alias)
         assert raw.headers["x-adapter-id"] == v2 and raw.parse().model == alias
 

@@ -12,13 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
 from lorafarm.farm import FarmPorts
+from tests.e2e.conftest import read_until
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +96,7 @@ def test_up_with_a_sharded_bf16_checkpoint_and_a_peft_adapter(tmp_path, sharded_
     proc = _up(["--base", f"tiny-bf16={sharded_bf16}", "--adapters", str(adapters), "--replicas", "1",
                 "--state-dir", str(tmp_path / "state"), *_ports_args(ports)])
     try:
-        banner = ""
-        deadline = time.monotonic() + 300
-        while "Ctrl-C stops the farm" not in banner and time.monotonic() < deadline and proc.poll() is None:
-            banner += proc.stdout.readline()
+        banner = read_until(proc, "Ctrl-C stops the farm", 300, logs=tmp_path / "state" / "logs")
         assert "Ctrl-C stops the farm" in banner, banner[-3000:]
         info = json.loads((tmp_path / "state" / "farm.json").read_text())
         assert info["base_models"] == {"tiny-bf16": str(sharded_bf16.resolve())}

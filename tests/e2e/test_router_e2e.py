@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import uuid
 
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from handler.serving.holds import HOLD_ENV
 from lorafarm.registry_client import RegistryClient
 from tests.e2e.conftest import running, seeded_farm
+from tests.waiting import wait_for, wait_until
 
 
 def _client(farm, key) -> OpenAI:
@@ -68,9 +71,14 @@ def test_warm_routing_hot_adapter_lands_on_device(farm, tenant, adapter_markers)
 
     for _ in range(3):
         one()
-    import time
 
-    time.sleep(2.5)  # two state polls: the router now knows where the adapter is mounted
+    def routed_warm() -> bool:  # the router's state polls have seen where the adapter is mounted
+        raw = client.chat.completions.with_raw_response.create(
+            model=alias, messages=[{"role": "user", "content": "warm?"}], max_tokens=8, temperature=0
+        )
+        return raw.headers["x-route-class"] == "warm" and raw.headers["x-adapter-tier"] == "gpu"
+
+    wait_for(routed_warm, 30, interval=0.5, what=f"{alias} routed warm", logs=farm["_farm"].logs_dir)
     results = [one() for _ in range(60)]
     on_device = sum(tier == "gpu" for tier, _, _ in results) / len(results)
     print(f"warm routing: {100 * on_device:.1f}% of hot-adapter requests on a device slot; replicas {sorted({r for _, r, _ in results})}")
@@ -80,32 +88,50 @@ def test_warm_routing_hot_adapter_lands_on_device(farm, tenant, adapter_markers)
 
 @pytest.fixture
 def small_farm(tmp_path, dev_model, canaries):
-    with running(seeded_farm(tmp_path, dev_model, canaries, replicas=2, adapters=4)) as info:
-        yield info["_farm"], info
+    """Two replicas with the test hold point on (handler/serving/holds.py)."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(HOLD_ENV, str(holds))  # the replicas inherit it
+        with running(seeded_farm(tmp_path, dev_model, canaries, replicas=2, adapters=4)) as info:
+            info["_holds"] = holds
+            yield info["_farm"], info
 
 
 def test_killed_replica_no_request_lost(small_farm):
     """SIGKILL one replica under load: every request that had not started streaming still succeeds
-    (failover before the first byte), answered by the surviving replica with the right marker."""
+    (failover before the first byte), answered by the surviving replica with the right marker. The
+    kill lands mid-generation: on the replica whose engine holds request `held_id` (the hold point)."""
     f, info = small_farm
     tenant = info["tenants"][0]
     markers = info["markers"]
     aliases = sorted(tenant["aliases"])
+    held_id = f"hold2-{uuid.uuid4().hex[:16]}"  # held after its 2nd token
+    held_file = info["_holds"] / f"{held_id}.held"
 
     async def run():
         client = AsyncOpenAI(base_url=info["router_url"] + "/v1", api_key=tenant["api_key"], max_retries=0, timeout=120)
         results = []
 
-        async def one(i):
+        async def one(i, request_id=None):
             alias = aliases[i % len(aliases)]
             r = await client.chat.completions.create(
-                model=alias, messages=[{"role": "user", "content": f"req {i}"}], max_tokens=16, temperature=0
+                model=alias, messages=[{"role": "user", "content": f"req {i}"}], max_tokens=16, temperature=0,
+                extra_headers={"x-request-id": request_id} if request_id else None,
             )
             results.append((alias, r.choices[0].message.content))
 
-        first = [asyncio.create_task(one(i)) for i in range(24)]
-        await asyncio.sleep(0.3)
-        os.kill(f.procs["replica-r1"].pid, signal.SIGKILL)
+        first = [asyncio.create_task(one(i, held_id if i == 0 else None)) for i in range(24)]
+
+        def holder() -> int | bool:  # the pid of the replica holding `held_id`; True: answered unheld
+            text = held_file.read_text().strip() if held_file.exists() else ""
+            return int(text.split()[0]) if text else first[0].done()
+
+        pid = await wait_until(holder, 60, what=f"request {held_id} held on its replica", logs=f.logs_dir)
+        assert not isinstance(pid, bool), "answered before the kill: the hold point did not hold"
+        victim = next(name for name, proc in f.procs.items() if proc.pid == pid)
+        assert victim.startswith("replica-"), victim
+        os.kill(pid, signal.SIGKILL)  # its engine is held mid-generation: no request there has a byte out
         rest = [asyncio.create_task(one(i)) for i in range(24, 64)]
         outcomes = await asyncio.gather(*first, *rest, return_exceptions=True)
         await client.close()

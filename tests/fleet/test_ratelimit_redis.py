@@ -12,6 +12,7 @@ import pytest
 
 from router.ratelimit import RateLimiter, RedisRateLimiter, make_limiter
 from tests.handler.conftest_service import free_port
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +33,14 @@ def redis_url(tmp_path_factory):
     import redis
 
     client = redis.Redis(port=port)
-    for _ in range(100):
+
+    def answers() -> bool:
         try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+            return client.ping()
+        except redis.ConnectionError:  # still starting
+            return False
+
+    wait_for(answers, 30, interval=0.05, what=f"redis answering on port {port}")
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:

@@ -21,6 +21,7 @@ from handler.adapters.cache import (
 )
 from handler.serving.metrics import RateWindow, ReplicaMetrics
 from tests.handler.conftest_service import service_archives  # noqa: F401 - fixture
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ async def test_lru_never_evicts_in_use_and_waits_for_a_slot(engine, service_arch
         await cache.acquire(a)
         await cache.acquire(b)  # both slots of the rank-16 pool taken, both in use
         waiter = asyncio.create_task(cache.acquire(c))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: cache.counters.slot_waits == 1, 30, what="c waiting for a slot")
         assert not waiter.done() and cache.counters.slot_waits == 1
         assert set(cache.gpu_adapters()) == {a, b}
         cache.release(b)  # b idle -> evicted for c, a untouched
@@ -146,10 +147,10 @@ async def test_unload_drains_first(engine, service_archives, tmp_path):
         a = arch.good["c0004"]
         await cache.acquire(a)
         unload = asyncio.create_task(cache.unload(a))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # time passing is the subject: no unload while `a` is in use
         assert not unload.done() and cache.tier_of(a) == "gpu"
         again = asyncio.create_task(cache.acquire(a))  # new requests wait for the drain
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # likewise: the new acquire does not go through during the drain
         assert not again.done()
         cache.release(a)
         out = await asyncio.wait_for(unload, 5)
@@ -546,10 +547,8 @@ async def test_disk_to_slot_reads_the_slot_image_straight_into_the_slot(engine, 
         assert await asyncio.to_thread(done.wait, 60)
         assert from_disk == from_ram and from_disk[-1] == "length"
         cache.release(a)
-        for _ in range(200):  # the RAM copy is read off the request's path
-            if a in cache.ram_adapters():
-                break
-            await asyncio.sleep(0.05)
+        # the RAM copy is read off the request's path
+        await wait_until(lambda: a in cache.ram_adapters(), 60, interval=0.05, what=f"{a} in host RAM")
         assert a in cache.ram_adapters()
         await cache._evict_slot(a)  # a demotion: the adapter stays in host RAM
         assert cache.tier_of(a) == "ram" and await cache.acquire(a) == "ram"

@@ -9,6 +9,7 @@ import threading
 import torch
 
 from handler.embed.model import EmbeddingBatcher, FairQueue, _Job
+from tests.waiting import wait_until
 
 
 def _job(loop, rows: int, tokens: int, flow: str = "") -> _Job:
@@ -142,8 +143,7 @@ async def test_batcher_serves_a_small_request_within_one_batch_of_a_huge_one():
     try:
         huge_ids = [[1000 + i] + [7] * 119 for i in range(2048)]
         huge = asyncio.create_task(b.embed(huge_ids, "attacker"))
-        while not enc.started.is_set():
-            await asyncio.sleep(0.01)
+        await wait_until(enc.started.is_set, 60, interval=0.01, what="the first batch running")
         small = asyncio.create_task(b.embed([[5, 6, 7]], "victim"))
         await asyncio.sleep(0)  # the small request is queued while the first batch runs
         enc.gate.set()

@@ -5,12 +5,12 @@ bytes per tenant."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from handler.grammar import constrained
 from handler.grammar.pool import FAULT_ENV, FAULT_TITLE, GrammarError, GrammarPool
+from tests.waiting import wait_until
 
 
 def ref_chain(n: int) -> dict:
@@ -83,9 +83,7 @@ def test_poison_schemas_fail_alone_and_the_pool_respawns(tokenizer, monkeypatch)
             assert pool.failures["crash"] == 2 and pool.respawns >= 2
             # respawning starts a process and builds its tokenizer: seconds on a busy box, so wait on
             # the pool's own count up to a generous deadline, not a fixed 5 s
-            deadline = time.monotonic() + 120
-            while pool.alive != 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: pool.alive == 2, 120, interval=0.05, what="two grammar processes alive")
             assert pool.alive == 2 and len(pids & set(pool.pids())) <= 1
         finally:
             await pool.close()

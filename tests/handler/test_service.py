@@ -184,7 +184,7 @@ async def test_unload_drains_running_requests(replica, service_archives):
             while not any("<<" in x for x in first):
                 first.append(await anext(lines))
             unload = asyncio.create_task(http.post(replica.internal(f"adapters/{aid}/unload")))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # time passing is the subject: the unload waits while the stream runs
             assert not unload.done()  # draining: the stream still runs
             rest = first + [line async for line in lines]
         r = await unload

@@ -11,13 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from lorafarm.cli import main
 from lorafarm.farm import Farm, FarmPorts
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -77,11 +77,13 @@ def _alive(pid: int) -> bool:
 
 
 def _interrupt_when(proc: subprocess.Popen, ready, timeout: float = 240.0) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while not ready():
+    def reached() -> bool:
+        if ready():
+            return True
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run never reached the point to interrupt"
-        time.sleep(0.2)
+        return False
+
+    wait_for(reached, timeout, interval=0.2, what="the run reaching the point to interrupt")
     started = _descendants(proc.pid)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,6 +13,7 @@ import pytest
 
 from lorafarm.cli import main
 from lorafarm.probe import ProbeConfig, ProbeLoop, ProbeMetrics, run_probe
+from tests.waiting import wait_for
 
 MARKERS = {"probe/c0000:prod": "<<c0000>>", "probe/c0001:prod": "<<c0001>>"}
 
@@ -124,9 +124,7 @@ def test_background_loop_and_metrics_port(router):
     loop = ProbeLoop(cfg).start()
     server, _ = start_http_server(0, addr="127.0.0.1", registry=loop.metrics.registry)
     try:
-        deadline = time.monotonic() + 20
-        while router["calls"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: router["calls"] >= 4, 60, interval=0.05, what="four probe requests at the router")
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
         assert sample(text, "lorafarm_probe_up") == 1
         assert sum(sample(text, "lorafarm_probe_requests_total", model=m, result="ok") for m in MARKERS) >= 1

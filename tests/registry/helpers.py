@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
 import threading
-import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+
+from tests import waiting
 
 POSTGRES_URL = os.environ.get("LORAFARM_TEST_POSTGRES_URL")
 ADMIN_TOKEN = "test-admin-token-0123456789"
@@ -110,25 +110,13 @@ def live_server(settings):
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="registry-uvicorn", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the registry server did not start")
-        time.sleep(0.05)
+    waiting.wait_for(lambda: server.started or not thread.is_alive(), 60, interval=0.05,
+                     what="the registry server started")
+    if not server.started:
+        raise RuntimeError("the registry server did not start (its thread ended)")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-
-
-async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)

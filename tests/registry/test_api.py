@@ -9,6 +9,7 @@ import io
 import tarfile
 
 from tests.registry.helpers import BASE_NAME, app_client, unique, upload_files
+from tests.waiting import wait_until
 
 
 async def _tenant(client) -> str:
@@ -178,10 +179,10 @@ async def test_replicas_down_after_timeout_and_back(make_settings, base_hash):
         async def status():
             return next(r["status"] for r in (await c.get("/internal/replicas")).json() if r["replica_id"] == rid)
 
-        deadline = asyncio.get_running_loop().time() + 10
-        while await status() != "down":
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.2)
+        async def down():
+            return await status() == "down"
+
+        await wait_until(down, 10, interval=0.2, what=f"{rid} down")
         table = (await c.get("/internal/routing")).json()
         assert next(r for r in table["replicas"] if r["replica_id"] == rid)["status"] == "down"
         hb = await c.post(f"/internal/replicas/{rid}/heartbeat")

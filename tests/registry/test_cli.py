@@ -8,29 +8,26 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from lorafarm.cli import main
 from tests.registry.helpers import BASE_NAME, free_port, unique
+from tests.waiting import wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _wait_healthy(proc, url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_healthy(proc, url: str, timeout: float = 180.0) -> None:
+    """The deadline only bounds a hang: starting the registry beside `stress-ng --cpu 2` took over 60 s."""
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"registry exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("registry did not become healthy")
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200  # refused while starting: not yet
+
+    wait_for(healthy, timeout, what=f"registry healthy at {url}")
 
 
 async def test_serve_and_admin_commands(database_url, dev_model, canaries, tmp_path, monkeypatch, capsys):

@@ -3,12 +3,12 @@ follow traffic (up with stats, back down when the adapter cools)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 
 from registry import placement
 from tests.registry.helpers import app_client, unique, upload_files
+from tests.waiting import wait_until
 
 ADAPTERS = [f"ad-{hashlib.sha256(str(i).encode()).hexdigest()[:20]}" for i in range(5000)]
 
@@ -116,8 +116,5 @@ async def test_hot_adapter_owner_count_rises_and_falls(make_settings, canaries, 
         # Traffic stops: the sweeper lowers k again within a few tau.
         async def cooled():
             return (await owners(hot))["k"] == 2
-        deadline = asyncio.get_running_loop().time() + 15
-        while not await cooled():
-            assert asyncio.get_running_loop().time() < deadline, "owner count did not fall back"
-            await asyncio.sleep(0.3)
+        await wait_until(cooled, 15, interval=0.3, what="owner count fallen back to 2")
         assert (await owners(hot))["owners"] == before["owners"]

@@ -4,7 +4,6 @@ one rollout per alias, changes by hand, and a rollout that outlives the registry
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -12,6 +11,7 @@ import pytest
 
 from lorafarm.client.summary import VersionCounts
 from tests.registry.helpers import app_client, make_adapter, unique, upload_files
+from tests.waiting import describe, wait_until
 
 FAST = {"min_requests": 5, "min_ttft_samples": 5, "max_error_rate_increase": 0.05}
 
@@ -53,15 +53,20 @@ async def _push(client, *rows) -> None:
 
 
 async def _until(client, rollout_id: int, pred, timeout: float = 15.0, push=None) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    """The rollout once `pred` holds for it; `push` (the routers' next window) runs after each miss."""
+    seen: list[dict] = []
+
+    async def check():
         r = (await client.get(f"/internal/rollouts/{rollout_id}")).json()
+        seen.append(r)
         if pred(r):
             return r
-        assert time.monotonic() < deadline, r
         if push is not None:
             await push()
-        await asyncio.sleep(0.1)
+        return None
+
+    return await wait_until(check, timeout, interval=0.1, what=f"rollout {rollout_id}: {describe(pred)}",
+                            logs=lambda: f"last rollout: {seen[-1] if seen else None}")
 
 
 async def test_rollout_promotes_step_by_step(fast, base_config, base_hash, tmp_path):

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from tests.reliability.conftest import (
-    all_routed, client, held, hold_id, reg_call, replica_of_pid, restored, router_health, signal_replica,
+    all_routed, client, farm_logs, held, hold_id, reg_call, replica_of_pid, restored, router_health,
+    signal_replica,
 )
 from tests.waiting import wait_for
 
@@ -132,17 +133,22 @@ def test_registry_down_longer_than_replica_timeout_then_restarted(rfarm, rtenant
     alias = sorted(rtenant["aliases"])[1]
     c = client(rfarm, rtenant["api_key"], timeout=SAFETY)
     # the adapter must be on a replica before the registry goes (a cold lookup needs the registry),
-    # and the router must have seen where (its next state poll)
-    assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
-                                     temperature=0).choices[0].message.content == markers[alias]
-    time.sleep(2.5)
+    # and the router must have seen where (its next state poll): it then routes the alias warm
+    def routed_warm() -> bool:
+        raw = c.chat.completions.with_raw_response.create(model=alias, messages=MSG, max_tokens=24,
+                                                          temperature=0)
+        assert raw.parse().choices[0].message.content == markers[alias]
+        return raw.headers["x-route-class"] == "warm"
+
+    wait_for(routed_warm, 30, interval=0.5, what=f"{alias} routed warm", logs=farm_logs(rfarm))
     with restored(rfarm):
         proc = farm.procs["registry"]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         try:
             wait_for(lambda: router_health(rfarm)["status"] == "degraded", 10, what="router /health degraded")
-            deadline = time.monotonic() + 4.0  # > --replica-timeout 3
+            # serving on for a while is the subject: past --replica-timeout 3 with the registry down
+            deadline = time.monotonic() + 4.0
             while time.monotonic() < deadline:
                 assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
                                                  temperature=0).choices[0].message.content == markers[alias]
@@ -151,7 +157,8 @@ def test_registry_down_longer_than_replica_timeout_then_restarted(rfarm, rtenant
         listed = reg_call(rfarm, lambda reg: reg.list_replicas())
         assert sorted(r["status"] for r in listed) == ["up", "up"], listed
         served = 0
-        deadline = time.monotonic() + 6.0  # past the registry's start-up grace and the replicas' backoff
+        # serving on for a while is the subject: past the registry's start-up grace and the replicas' backoff
+        deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:
             assert c.chat.completions.create(model=alias, messages=MSG, max_tokens=24,
                                              temperature=0).choices[0].message.content == markers[alias]
@@ -209,7 +216,7 @@ def test_slow_replica_gets_less_traffic(rfarm, rtenant):
     def duty_cycle():
         while not stop.is_set():
             signal_replica(rfarm, slow, signal.SIGSTOP)
-            time.sleep(0.3)
+            time.sleep(0.3)  # the duty cycle is the subject: stopped 0.3 s, running 0.1 s
             signal_replica(rfarm, slow, signal.SIGCONT)
             time.sleep(0.1)
 

@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import openai
@@ -167,7 +166,7 @@ def _kill_with_the_body_in_flight(farm, load: PopularLoad, i: int) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         wait_for(lambda: not all_routed(farm), 30, what=f"r{i} out of routing")
-        counted = _wait_quietly(lambda: _deaths(farm) > deaths, 15)
+        counted = _wait_quietly(lambda: _deaths(farm) > deaths, 15, f"r{i}'s death counted by the router")
         if counted:
             wait_for(lambda: load.ok() > ok, 60, what="the popular body completing on another replica")
             return
@@ -176,14 +175,15 @@ def _kill_with_the_body_in_flight(farm, load: PopularLoad, i: int) -> None:
     pytest.fail(f"three kills of r{i} with the body running, none counted by the router as a death")
 
 
-def _wait_quietly(predicate, timeout: float) -> bool:
-    """Like wait_for, but False (not a failure) when the condition does not come."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return bool(predicate())
+def _wait_quietly(predicate, timeout: float, what: str) -> bool:
+    """tests.waiting.wait_for, but False (not a failure: the caller tries again) when the condition
+    does not come; the wait's message is printed with the test's output."""
+    try:
+        wait_for(predicate, timeout, what=what, interval=0.2)
+    except pytest.fail.Exception as e:
+        print(e)
+        return False
+    return True
 
 
 def test_three_ordinary_sigkills_of_one_replica_refuse_no_popular_body(pfarm, pkey):

@@ -119,7 +119,7 @@ def test_soak_with_churn(rfarm, rtenant, markers):
         next_restart = time.monotonic() + min(RESTART_EVERY_S, SOAK_S / 3)
         async with httpx.AsyncClient(timeout=30) as http:
             while time.monotonic() < stop:
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # the churn's cadence over the soak (the subject), not a wait
                 i += 1
                 await asyncio.to_thread(reg_call, rfarm, lambda reg: reg.set_alias(FLIP, flip_targets[i % 2]))
                 faults["alias_flips"] += 1

@@ -3,7 +3,6 @@ front, all served by uvicorn on 127.0.0.1 inside the test's event loop."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from router.app import create_app
 from router.config import RouterSettings
 from tests.router.doubles import ADMIN_TOKEN, FakeRegistry, FakeReplica, Served, start_server
+from tests.waiting import wait_until
 
 
 @dataclass
@@ -57,11 +57,9 @@ class RouterFarm:
 
 
 async def wait_for(cond, timeout: float = 5.0, interval: float = 0.02) -> float:
+    """tests.waiting.wait_until for the router tests; returns the seconds it waited."""
     start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)
+    await wait_until(cond, timeout, interval)
     return time.monotonic() - start
 
 

@@ -371,10 +371,10 @@ async def start_server(app, port: int = 0) -> Served:
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # leave the test process's signal handlers alone
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
+    from tests.waiting import wait_until  # here, not on top: benchmarks/ import this module too
+
+    await wait_until(lambda: server.started or task.done(), 60, interval=0.01,
+                     what=f"a server started on port {port}")
     if task.done():
         task.result()
     if not server.started:

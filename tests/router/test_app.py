@@ -12,10 +12,16 @@ import openai
 import pytest
 
 from tests.router.conftest import router_farm, wait_for
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 MSG = [{"role": "user", "content": "hello"}]
+
+
+def _replicas(farm) -> dict:
+    """replica id -> what the router's view knows of it now."""
+    return {r.replica_id: r for r in farm.core.view.snapshot().replicas}
 
 
 async def _setup_acme(farm, name="support", base="dev-a"):
@@ -125,10 +131,10 @@ async def test_warm_routing_hot_adapter_lands_on_gpu(record_property):
             raw = await client.chat.completions.with_raw_response.create(model=model, messages=MSG, max_tokens=8)
             return raw.headers["x-adapter-tier"], raw.headers["x-replica-id"], model
 
-        # warm-up: a few hot requests, then let one state poll land
+        # warm-up: a few hot requests, then let one state poll land (the router sees it on a GPU)
         for _ in range(3):
             await one("acme/hot:prod")
-        await asyncio.sleep(0.25)
+        await wait_for(lambda: any(hot in r.gpu_adapters for r in _replicas(farm).values()), 10)
         # measured phase: 80% hot, 20% spread over 30 cold adapters that churn the 4-slot GPUs
         import random
 
@@ -184,8 +190,8 @@ async def test_possibly_warm_replica_keeps_traffic():
         assert raw.headers["x-replica-id"] == warm and raw.headers["x-route-class"] == "warm"
         # its /state now fails, /health still answers: possibly warm, still routed to
         farm.replicas[warm].state_fails = True
-        await asyncio.sleep(0.5)  # several poll rounds
-        snap = {r.replica_id: r for r in farm.core.view.snapshot().replicas}
+        await wait_for(lambda: not _replicas(farm)[warm].state_fresh, 10)  # its next poll failed
+        snap = _replicas(farm)
         assert not snap[warm].state_fresh and snap[warm].healthy
         before = len(farm.replicas[warm].requests)
         for _ in range(10):
@@ -194,7 +200,7 @@ async def test_possibly_warm_replica_keeps_traffic():
         assert len(farm.replicas[warm].requests) == before + 10
         # health fails too: out of routing after 3 failed checks, traffic moves to the owners
         farm.replicas[warm].health_fails = True
-        await wait_for(lambda: not {r.replica_id: r for r in farm.core.view.snapshot().replicas}[warm].healthy, 3)
+        await wait_for(lambda: not _replicas(farm)[warm].healthy, 3)
         raw = await client.chat.completions.with_raw_response.create(model="acme/support:prod", messages=MSG)
         assert raw.headers["x-replica-id"] in own
 
@@ -403,13 +409,13 @@ async def test_cli_starts_the_router_as_a_subprocess(tmp_path):
         try:
             url = f"http://127.0.0.1:{port}"
             async with httpx.AsyncClient() as http:
-                for _ in range(200):
-                    try:
-                        if (await http.get(url + "/health")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await asyncio.sleep(0.05)
+
+                async def healthy() -> bool:
+                    # refused while it starts: not yet
+                    return (await http.get(url + "/health")).status_code == 200
+
+                await wait_until(healthy, 30, interval=0.05, what=f"the router healthy at {url}",
+                                 logs=tmp_path / "router.log")
             from openai import AsyncOpenAI
 
             client = AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
@@ -426,7 +432,7 @@ async def test_a_hung_replica_does_not_slow_the_others_polls():
         farm.replicas["r1"].state_delay = 1.5
         await asyncio.sleep(0.3)  # let any poll in flight finish
         r0_before, r1_before = farm.replicas["r0"].state_calls, farm.replicas["r1"].state_calls
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # time passing is the subject: the polls of one second, counted
         assert farm.replicas["r0"].state_calls - r0_before >= 5  # ~every 0.1 s
         assert farm.replicas["r1"].state_calls - r1_before <= 2  # one poll at a time, not piling up
 
@@ -457,7 +463,8 @@ async def test_registry_outage_keeps_serving_known_tenants():
         client = farm.client(key)
         await client.chat.completions.create(model="acme/support:prod", messages=MSG)  # key now cached
         farm.registry.down = True
-        await asyncio.sleep(0.3)  # routing polls fail: the last table stays in use
+        # routing polls fail: the last table stays in use
+        await wait_for(lambda: not farm.core.health()[1]["registry_reachable"], 10)
         resp = await client.chat.completions.create(model="acme/support:prod", messages=MSG)
         assert resp.choices
         with pytest.raises(openai.InternalServerError) as exc:  # an unseen key cannot be checked: 503, not 401
@@ -482,5 +489,8 @@ async def test_health_is_503_until_the_first_routing_table():
                 r = await http.get(router.url + "/health")
                 assert r.status_code == 503 and r.json()["status"] == "starting"
                 registry.down = False
-                await asyncio.sleep(0.3)
-                assert (await http.get(router.url + "/health")).status_code == 200
+
+                async def ready() -> bool:
+                    return (await http.get(router.url + "/health")).status_code == 200
+
+                assert await wait_until(ready, 10, what="the router's first routing table")
