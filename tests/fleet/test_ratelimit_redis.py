@@ -49,21 +49,24 @@ def redis_url(tmp_path_factory):
 
 
 def test_two_routers_share_one_limit(redis_url):
+    # a bucket of 4 requests that refills one every 25 s: the checks below see no refill however
+    # slowly a busy machine runs them (at 4 req/s a refill came within 250 ms)
     prefix = f"t{time.monotonic_ns()}:"
-    a = RedisRateLimiter(redis_url, burst_seconds=1.0, prefix=prefix)
-    b = RedisRateLimiter(redis_url, burst_seconds=1.0, prefix=prefix)
+    rate, burst = 0.04, 100.0
+    a = RedisRateLimiter(redis_url, burst_seconds=burst, prefix=prefix)
+    b = RedisRateLimiter(redis_url, burst_seconds=burst, prefix=prefix)
     allowed = 0
     for i in range(10):
-        r = (a if i % 2 else b).check("acme", requests_per_s=4.0, tokens_per_s=None, tokens=10)
+        r = (a if i % 2 else b).check("acme", requests_per_s=rate, tokens_per_s=None, tokens=10)
         allowed += r.allowed
     assert allowed == 4  # the 4-request bucket is shared; two local limiters would admit 8
-    denied = a.check("acme", requests_per_s=4.0, tokens_per_s=None, tokens=10)
+    denied = a.check("acme", requests_per_s=rate, tokens_per_s=None, tokens=10)
     assert not denied.allowed and int(denied.headers["retry-after"]) >= 1
     assert denied.headers["x-ratelimit-limit-requests"] == "4"
     assert a.fallbacks == 0 and b.fallbacks == 0
     # the same traffic through two per-router limiters admits twice as much
-    la, lb = RateLimiter(), RateLimiter()
-    assert sum((la if i % 2 else lb).check("acme", requests_per_s=4.0, tokens_per_s=None, tokens=10).allowed
+    la, lb = RateLimiter(burst_seconds=burst), RateLimiter(burst_seconds=burst)
+    assert sum((la if i % 2 else lb).check("acme", requests_per_s=rate, tokens_per_s=None, tokens=10).allowed
                for i in range(10)) == 8
 
 
