@@ -79,6 +79,7 @@ from handler.model.lora import InvalidAdapterWeightsError, ModelLoRA, SlotImage,
 from handler.model.merge import MergedAdapter, merge_adapter
 from handler.model.paged_attention import DecodeTables
 from handler.model.runner import Runner
+from handler.model.tokenizer import load_tokenizer  # transformers' tokenizer only where the folder's needs it
 
 __all__ = [
     "Engine",
@@ -384,9 +385,7 @@ class Engine:
 def _tokenizer(model_dir: Path, config) -> tuple:
     """The model's tokenizer and every id that ends a sequence (model config, tokenizer and
     generation_config.json)."""
-    from transformers import AutoTokenizer  # lazy: transformers is slow to import; only engines need it
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     eos = set(config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

@@ -62,9 +62,10 @@ def ll_tokenizer(tokenizer, vocab_size: int):
         hit = _tokenizers.get(key)
         if hit is not None and hit[0] is tokenizer:
             return hit[1]
-    import llguidance.hf
+    import llguidance
 
-    llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    spec = tokenizer_spec(tokenizer, vocab_size)  # what llguidance.hf.from_tokenizer does, without transformers
+    llt = llguidance.LLTokenizer(spec["tokenizer"], n_vocab=spec["n_vocab"], eos_token=spec["eos"])
     with _lock:
         _tokenizers[key] = (tokenizer, llt)
     return llt

@@ -432,8 +432,16 @@ class GrammarPool:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, wait: bool = True) -> None:
+        """Start the workers. wait=False (a replica's start): in the background, so that a busy
+        machine's slow interpreter starts at the workers' nice do not hold the replica's readiness;
+        a compile that comes first waits in its tenant's queue for the first worker up (within
+        `start_timeout_s`), as it does for a replacement after a crash."""
         self._started = True
+        if not wait:
+            for _ in range(self.workers):
+                self._spawn_later(respawn=False)
+            return
         results = await asyncio.gather(*(self._spawn() for _ in range(self.workers)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if len(failed) == self.workers:
@@ -516,11 +524,16 @@ class GrammarPool:
 
     def _respawn_later(self, then=None) -> None:
         """Start a replacement worker in the background; `then()` once the first attempt ended."""
+        self._spawn_later(then)
+
+    def _spawn_later(self, then=None, respawn: bool = True) -> None:
+        """Start a worker in the background, retrying; `then()` once the first attempt ended."""
         if self._closed:
             if then is not None:
                 then()
             return
-        self.respawns += 1
+        if respawn:
+            self.respawns += 1
 
         async def again():
             delay = 0.0

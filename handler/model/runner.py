@@ -148,10 +148,51 @@ class ModelConfig:
         )
 
 
+# config.json keys whose transformers defaults differ by model type or are not ModelConfig.from_hf's
+# getattr defaults: a config.json must name them all to be read without transformers
+_CONFIG_REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                    "bos_token_id", "eos_token_id")
+
+
 def load_hf_config(model_dir: str | Path):
-    from transformers import AutoConfig
+    """The model's config: config.json read as is (a namespace) when it names every field ModelConfig
+    reads whose transformers default is not `from_hf`'s own and its RoPE is computed here; else
+    transformers' AutoConfig (defaults filled in per model type, yarn/longrope parameters). The fast
+    path skips importing transformers (~2 s of CPU at a replica's start, issue 36)."""
+    cfg = json_config(model_dir)
+    if cfg is not None:
+        return cfg
+    from transformers import AutoConfig  # lazy: slow to import
 
     return AutoConfig.from_pretrained(str(model_dir))
+
+
+def json_config(model_dir: str | Path):
+    """config.json as a SimpleNamespace where that is exactly what AutoConfig gives ModelConfig.from_hf; None
+    where transformers must fill in defaults."""
+    from types import SimpleNamespace
+
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or any(k not in raw for k in _CONFIG_REQUIRED):
+        return None
+    mt = raw["model_type"]
+    if mt not in ("llama", "mistral", "qwen2"):
+        return None
+    if mt in ("mistral", "qwen2") and "sliding_window" not in raw:
+        return None
+    if mt == "qwen2" and raw.get("use_sliding_window"):
+        return None  # transformers derives the per-layer windows (max_window_layers)
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) not in ("default", "linear",
+                                                                                               "llama3"):
+        return None
+    if "rope_theta" not in raw and "rope_theta" not in rope:
+        return None
+    return SimpleNamespace(**raw)
 
 
 # ----------------------------------------------------------------------------------------- weights

@@ -560,7 +560,7 @@ class LoraHandler:
         self.grammar_pool = GrammarPool(spec, workers=lim.grammar_workers, timeout_s=lim.grammar_timeout_s,
                                         memory_bytes=lim.grammar_memory_bytes, max_waiting=lim.grammar_max_waiting,
                                         tenant_waiting=lim.grammar_tenant_waiting)
-        await self.grammar_pool.start()
+        await self.grammar_pool.start(wait=False)  # the replica is ready before its grammar workers are
 
     async def shutdown(self) -> None:
         for gen in list(self._inflight.values()):
