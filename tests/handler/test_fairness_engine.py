@@ -154,17 +154,23 @@ def test_uncapped_contended_steps_decode_every_row(attack_runs):
     assert attack_runs["fair"][1].tokens == col.tokens  # greedy: the same tokens either way
 
 
+def heavy_tenant_decoding(dev_model, prompts, max_tokens: int):
+    """An engine of 32 rows where tenant "a" alone decodes 20 greedy requests, 3 steps in."""
+    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=32, rank_pools={})
+    col = Steps(e)
+    for i in range(20):
+        e.add_request(f"a{i}", prompts[i], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                      None, col, tenant="a")
+    for _ in range(3):
+        e.step()
+    return e, col
+
+
 def test_a_newcomers_short_prefill_gets_a_small_step(dev_model, prompts):
     """A prompt of 6 tokens from a second tenant while the first holds 20 decode rows: its step
     decodes none of the first tenant's rows (a prefill step as the newcomer's alone, on the C decode
     step), and the next ones go back to contended_rows, the newcomer's row first."""
-    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=32, rank_pools={})
-    col = Steps(e)
-    for i in range(20):
-        e.add_request(f"a{i}", prompts[i], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), None, col,
-                      tenant="a")
-    for _ in range(3):
-        e.step()
+    e, col = heavy_tenant_decoding(dev_model, prompts, max_tokens=60)
     arrived = e.scheduler.steps
     e.add_request("v0", prompts[30][:6], SHORT, None, col, tenant="v")
     e.step()
@@ -182,15 +188,9 @@ def test_a_newcomers_short_prefill_gets_a_small_step(dev_model, prompts):
 def test_steps_stay_short_a_while_after_the_light_tenant_leaves(dev_model, prompts):
     """A light tenant's next request most likely comes soon after its last one ended: steps stay
     contended for CONTENDED_LINGER_S after it leaves (on the scheduler's clock), then go whole."""
-    e = Engine(dev_model, device="cpu", kv_cache_bytes=16 << 20, max_batch=32, rank_pools={})
+    e, col = heavy_tenant_decoding(dev_model, prompts, max_tokens=80)
     now = [100.0]
-    e.scheduler.clock = lambda: now[0]
-    col = Steps(e)
-    for i in range(20):
-        e.add_request(f"a{i}", prompts[i], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True), None, col,
-                      tenant="a")
-    for _ in range(3):
-        e.step()
+    e.scheduler.clock = lambda: now[0]  # read only once a second tenant has been active
     assert col.per_step[e.scheduler.steps] == {"a": 20}  # alone: whole steps
     e.add_request("v0", prompts[30][:6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), None, col,
                   tenant="v")
