@@ -123,7 +123,7 @@ def register(sub) -> None:
                    help="share of --lora-memory-bytes per rank pool, e.g. 16:1 or 8:1,16:2,32:1 "
                         "(default: even over the pools up to --rank-limit)")
     p.add_argument("--ram-bytes", type=parse_size, default=4 * 1024**3, help="host RAM tier budget (default 4GiB)")
-    p.add_argument("--disk-bytes", type=parse_size, default=32 * 1024**3, help="disk tier budget (default 32GiB)")
+    p.add_argument("--disk-bytes", type=parse_size, default=32 * 1024**3, help="disk tier budget (default 32GiB; at start, at most half of what it holds plus the free space)")
     p.add_argument("--disk-dir", default=None, help="disk tier folder (default var/replicas/<id>)")
     p.add_argument("--rank-limit", type=int, default=64, help="largest adapter rank accepted (default 64)")
     p.add_argument("--merged-adapter", default=None, metavar="ADAPTER_ID",

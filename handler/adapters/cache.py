@@ -69,6 +69,11 @@ __all__ = [
 
 log = logging.getLogger("lorafarm.replica.cache")
 
+
+def free_bytes(path: Path) -> int:
+    """Free space of the filesystem holding `path`."""
+    return shutil.disk_usage(path).free
+
 CacheCounters = SlotCounters  # the counters live with the policy (handler/adapters/slots.py)
 VERIFIED_STAMP = ".lorafarm-verified.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -276,8 +281,29 @@ class AdapterCache:
         for aid, nbytes, mtime in sorted(found, key=lambda x: x[2]):
             self.policy.put("disk", aid, nbytes)  # nothing is trimmed until every folder is in
             self._unverified.add(aid)
+        self._fit_disk_budget()
         self._trim_disk()
         self._update_gauges()
+
+    def has_room(self, tier: str, share: float = 0.9, pending: int = 0) -> bool:
+        """Whether `tier` ("ram" or "disk") holds less than `share` of its budget, counting `pending`
+        pulls already under way at the tier's mean entry size. Background pulls stop there: pulling
+        more than fits would only evict what they pulled a moment before."""
+        used, n = self.policy.used_bytes(tier), self.policy.count(tier)
+        budget = self.ram_bytes if tier == "ram" else self.disk_bytes
+        return used + pending * (used / n if n else 0) < share * budget
+
+    def _fit_disk_budget(self) -> None:
+        """The disk tier never takes more than half of what it could have (what it holds plus the
+        filesystem's free space): a default budget larger than the disk would otherwise fill it for
+        every process on the host, the registry's store included. Half of held + free, not held +
+        half of free: the cap stays put over restarts instead of ratcheting up each time."""
+        usable = (self.policy.used_bytes("disk") + free_bytes(self.adapters_dir)) // 2
+        if usable < self.disk_bytes:
+            log.warning("disk tier budget %.1f GiB capped at %.1f GiB: half of what it holds plus the free space of %s",
+                        self.disk_bytes / 2**30, usable / 2**30, self.adapters_dir)
+            self.disk_bytes = usable
+            self._disk_evicted(self.policy.set_budget("disk", usable))
 
     def _scan_disk(self) -> list[tuple[str, int, float]]:
         """Adopt `<disk_dir>/adapters/<id>/` folders whose verification stamp matches this base and

@@ -166,6 +166,9 @@ class SlotPolicy:
     def used_bytes(self, tier: str) -> int:
         return self._used[tier]
 
+    def count(self, tier: str) -> int:
+        return len(self._slots) if tier == "gpu" else len(self._lists[tier])
+
     def nbytes(self, tier: str, adapter_id: str) -> int | None:
         return self._lists[tier].get(adapter_id)
 
@@ -302,6 +305,12 @@ class SlotPolicy:
         return self._slots.pop(adapter_id, None)
 
     # -- RAM and disk ------------------------------------------------------------------------
+
+    def set_budget(self, tier: str, nbytes: int) -> list[str]:
+        """Change `tier`'s byte budget; returns the LRU victims pushed out by a smaller one."""
+        self._budget[tier] = int(nbytes)
+        setattr(self, f"{tier}_bytes", int(nbytes))
+        return self.trim(tier)
 
     def put(self, tier: str, adapter_id: str, nbytes: int) -> list[str] | None:
         """Add (or touch) `adapter_id` in `tier` ("ram" or "disk"); return the LRU victims pushed out

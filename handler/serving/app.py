@@ -284,20 +284,29 @@ class ReplicaService:
             n_warm = self.config.prewarm if self.config.prewarm is not None else self.config.slots
             n_warm = n_warm if first else 0
             sem = asyncio.Semaphore(2)
+            left = []  # owned, but the disk tier is full: they stay in the store until asked for
+            running = [0]  # pulls under way (their bytes are not in the tiers yet)
 
             async def pull(aid: str, warm: bool):
                 async with sem:
                     try:
                         if warm:
                             await cache.load(aid)
+                        elif cache.has_room("disk", pending=running[0]):  # else it evicts what was just pulled
+                            running[0] += 1
+                            try:
+                                await cache.prefetch(aid, to_ram=cache.has_room("ram", pending=running[0] - 1))
+                            finally:
+                                running[0] -= 1
                         else:
-                            await cache.prefetch(aid, to_ram=True)
+                            left.append(aid)
                     except (AdapterLoadError, AdapterNotFoundError) as e:
                         log.warning("owned adapter %s not pulled: %s", aid, e)
 
             await asyncio.gather(*(pull(aid, i < n_warm) for i, aid in enumerate(owned)))
-            if owned:
-                log.info("pulled %d owned adapters (%d pre-warmed)", len(owned), min(n_warm, len(owned)))
+            if owned and (first or len(owned) > len(left)):  # a refresh that found nothing to do says nothing
+                log.info("pulled %d owned adapters (%d pre-warmed)%s", len(owned) - len(left), min(n_warm, len(owned)),
+                         f"; {len(left)} left in the store: the disk tier is full" if left else "")
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -158,3 +158,32 @@ async def test_registry_download_without_store(dev_model, service_archives, regi
             assert r.headers["x-adapter-tier"] == "remote"
             assert r.json()["choices"][0]["message"]["content"] == service_archives.markers[aid]
         assert aid in registry.downloads
+
+
+async def test_pull_owned_stops_when_the_disk_tier_is_full(dev_model, service_archives, tmp_path):
+    """More owned adapters than the disk tier holds (5,000 in the load test): the first pull takes
+    what fits and leaves the rest in the store. Before, it pulled every one, each pushing out one
+    pulled a moment before (here: 5 evictions of 6 pulls): minutes of churn beside the traffic, and /ready said "warming" all along."""
+    arch = service_archives
+    owned = [arch.good[n] for n in ("c0000", "c0003", "c0006", "c0007", "c0009", "c0010")]
+    reg = FakeRegistry(json.loads(arch.catalog.read_text()), arch.store_dir, owned, "ad-0000000000000000beef")
+    with ServerThread(reg.app()) as rs:
+        reg.url = rs.url
+        cfg = make_config(dev_model, service_archives, tmp_path, replica_id="r5", registry_url=rs.url,
+                          admin_token=TOKEN, prewarm=0, heartbeat_s=0.2, disk_bytes=2_000_000)  # room for 2-4 of the 6 (0.24-1.2 MB each)
+        cfg.adapter_catalog = None
+        with ReplicaServer(cfg) as srv:
+            assert await wait_until(lambda: srv.service.pull_done.is_set(), 30)
+            cache = srv.cache
+            pulled = set(cache.disk_adapters())
+            assert 0 < len(pulled) < len(owned)
+            # two pulls run at once and an entry grows when its slot image is written: each pull under way when
+            # the tier filled may push one out
+            assert cache.counters.disk_evictions <= 2
+            left = [a for a in owned if cache.tier_of(a) == "remote"]  # never pulled (an evicted one may be in RAM)
+            assert left
+            async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:  # and is still served from the store
+                r = await http.post(f"{srv.url}/v1/chat/completions", json=chat_body(left[0]))
+                assert r.status_code == 200 and r.headers["x-adapter-tier"] == "remote"
+                assert r.json()["choices"][0]["message"]["content"] == arch.markers[left[0]]
+                assert (await http.get(f"{srv.url}/ready")).status_code == 200

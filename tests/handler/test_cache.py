@@ -214,6 +214,32 @@ async def test_disk_tier_is_readopted_after_restart_unless_tampered(engine, serv
         await cache2.close()
 
 
+async def test_disk_budget_is_capped_at_half_the_free_space(engine, service_archives, tmp_path, monkeypatch):
+    """A disk tier whose budget is more than the filesystem has never fills the disk: at start it
+    takes at most half of what it holds plus the free space, and trims its oldest to fit."""
+    import handler.adapters.cache as cache_mod
+
+    arch = service_archives
+    ids = [arch.good[n] for n in ("c0000", "c0003", "c0006")]
+    cache, _ = await make_cache(engine, arch, tmp_path)  # a real filesystem: plenty of room
+    for aid in ids:
+        await cache.prefetch(aid, to_ram=False)
+    assert sorted(cache.disk_adapters()) == sorted(ids)
+    await cache.close()
+    # the same folder on a full disk (200 bytes free): the default 32 GiB budget becomes half of what is held
+    monkeypatch.setattr(cache_mod, "free_bytes", lambda path: 200)
+    cache2, _ = await make_cache(engine, arch, tmp_path)
+    try:
+        kept = cache2.disk_adapters()
+        assert cache2.disk_bytes < 32 * 1024**3 and cache2._disk_used <= cache2.disk_bytes
+        assert 0 < len(kept) < len(ids) and kept[-1] == ids[-1]  # the newest kept, the oldest removed
+        gone = [a for a in ids if a not in kept]
+        assert not any((tmp_path / "adapters" / a).exists() for a in gone)
+        assert cache2.counters.disk_evictions == len(gone)
+    finally:
+        await cache2.close()
+
+
 def test_tensor_checks(dev_model):
     from archives.basehash import read_base_config
 
