@@ -82,7 +82,10 @@ class Server:
         self.started_s = time.monotonic() - self._t0
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, url: str | None = None) -> None:
+        """Until `url` (default: the server's ready URL) answers 200; CliError if the server exits or
+        `timeout` passes."""
+        url = url or self.ready_url
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -90,13 +93,13 @@ class Server:
                 raise CliError(f"{self.peer} exited with status {self.proc.returncode} while starting; "
                                f"{self.log} ends:\n{tail}")
             try:
-                if httpx.get(self.ready_url, timeout=2.0, headers={"Authorization": f"Bearer {self.api_key}"}).status_code == 200:
+                if httpx.get(url, timeout=2.0, headers={"Authorization": f"Bearer {self.api_key}"}).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise CliError(f"{self.peer} did not answer {self.ready_url} within {timeout:.0f} s; see {self.log}")
+        raise CliError(f"{self.peer} did not answer {url} within {timeout:.0f} s; see {self.log}")
 
     def _tree(self) -> list:
         import psutil
@@ -213,6 +216,7 @@ class OursServer(Server):
     def wait_ready(self, timeout: float = 900.0) -> "OursServer":
         self._wait_ready(timeout)
         farm = json.loads((Path(self.log).parent / "farm.json").read_text())
+        self._wait_replicas_ready(farm, timeout)
         tenant = farm["tenants"][0]
         self.api_key = tenant["api_key"]
         if self.uploads:
@@ -223,6 +227,12 @@ class OursServer(Server):
         self.adapters = {alias.split("/", 1)[1].rsplit(":", 1)[0]: (alias, {}) for alias in tenant["aliases"]}
         self.started_s = time.monotonic() - self._t0
         return self
+
+    def _wait_replicas_ready(self, farm: dict, timeout: float) -> None:
+        """Until every replica's /ready says 200: its first pull of the adapters it owns is done, as a
+        Kubernetes readiness probe would wait, so that pull does not run inside a measured window."""
+        for url in [r["url"] for r in farm.get("replicas", []) if r.get("url")]:
+            super()._wait_ready(timeout, f"{url}/ready")  # Server's poll (this class's own waits for seeding)
 
     async def _upload(self, farm: dict) -> dict[str, str]:
         """`uploads` through the registry as `lorafarm up --adapters` sends them (same call, same
