@@ -51,8 +51,24 @@ REPLICA_STACK_BYTES = 64 * 1024**2
 # compact JSON with OpenAI's separators: the model cannot spend its tokens on whitespace
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# llguidance's fuel for building the lexer's regex expressions (its default: 1,000,000), the same in the
+# grammar workers and the replica. At 400,000 a regex that expands without end (`^(a{1000}){300}$`:
+# 3.5 s of 24 test masks at the default, and for a little more the 4 s worker timeout plus a worker
+# respawn) is refused in ~0.2-0.3 s with "too many expressions constructed", while schemas people send
+# stay below it: an object of 10,000 required properties needs 200,000-300,000; a 3,000-string enum,
+# formats, patterns and nesting far less (tests/handler/test_grammar_pool.py).
+INITIAL_LEXER_FUEL = 400_000
+
 _tokenizers: dict[int, tuple[Any, Any]] = {}
 _lock = threading.Lock()
+
+
+def new_base_matcher(llt, grammar: str):
+    """llguidance's matcher for `grammar` under the limits every matcher here shares (an error
+    state, never an exception, when it does not compile or a limit is hit)."""
+    from llguidance import LLMatcher, LLParserLimits
+
+    return LLMatcher(llt, grammar, log_level=0, limits=LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL))
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
@@ -235,9 +251,7 @@ class GrammarBuilder:
                                     nice=self.nice, stack_bytes=REPLICA_STACK_BYTES).start()
 
     def _build(self, grammar: str, cost: int) -> CompiledGrammar:
-        from llguidance import LLMatcher
-
-        base = LLMatcher(self.llt, grammar, log_level=0)
+        base = new_base_matcher(self.llt, grammar)
         if base.is_error():
             raise ValueError(f"the grammar does not compile: {base.get_error()}")
         return CompiledGrammar(grammar, base, len(grammar) + max(int(cost), 2 * len(grammar)))
@@ -284,8 +298,6 @@ def new_matcher(grammar: str | CompiledGrammar, tokenizer, vocab_size: int):
     global _compiled_bytes
     if isinstance(grammar, CompiledGrammar):
         return grammar.matcher()
-    from llguidance import LLMatcher
-
     llt = ll_tokenizer(tokenizer, vocab_size)
     key = (grammar, id(llt))
     with _lock:
@@ -293,7 +305,7 @@ def new_matcher(grammar: str | CompiledGrammar, tokenizer, vocab_size: int):
         if base is not None:
             _compiled.move_to_end(key)
     if base is None:
-        base = LLMatcher(llt, grammar, log_level=0)
+        base = new_base_matcher(llt, grammar)
         if base.is_error():
             raise ValueError(f"the grammar does not compile: {base.get_error()}")
         with _lock:

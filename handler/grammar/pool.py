@@ -260,9 +260,7 @@ class _Compiler:
         raise _Refused(f"unknown grammar kind {kind!r}", "invalid")
 
     def _check(self, grammar: str) -> None:
-        from llguidance import LLMatcher
-
-        m = LLMatcher(self.llt, grammar, log_level=0)
+        m = constrained.new_base_matcher(self.llt, grammar)
         if m.is_error():
             err = m.get_error()
             raise _Refused(f"the grammar does not compile: {_first_line(err)}", _limit_name(err))
@@ -576,6 +574,10 @@ class GrammarPool:
         return {"workers": self.workers, "alive": self.alive, "idle": len(self._idle),
                 "waiting": self._queues.waiting, "busy": self.busy, "cancelled": self.cancelled,
                 "tenants": self._queues.tenants()}
+
+    def admits(self, tenant: str) -> bool:
+        """Whether a new compile of `tenant` would be queued now (else `compile` raises GrammarBusy)."""
+        return self._queues.admits(tenant)
 
     # -- compiling ----------------------------------------------------------------------------
 

@@ -620,6 +620,8 @@ class LoraHandler:
             req = await self._off_loop(flow, size, oai.parse_request, model_cls, body)
         else:
             req = oai.parse_request(model_cls, body)
+        if not big:
+            self._refuse_grammar_early(kind, req, tenant or req.model)
         adapter_id = await self.resolve_model(req.model)
         tier = "gpu" if (adapter_id is None or self.context.merged_adapter) else self.cache.tier_of(adapter_id)
         prompt_ids = await self._off_loop(flow, size, self._tokenize, kind, req) if big else self._tokenize(kind, req)
@@ -830,6 +832,37 @@ class LoraHandler:
                                   type="rate_limit_error", code="prep_queue_full",
                                   headers={"Retry-After": "1"}) from None
 
+    def _grammar_job(self, kind: str, req) -> tuple[dict, str] | None:
+        """The grammar work a request asks for (the job for a worker, and the parameter it came
+        from), None for free text."""
+        if kind != "chat":
+            return None
+        if req.tool_mode is not None:
+            return {"kind": "tools", "tools": [t.model_dump(exclude_none=True) for t in req.tools],
+                    "choice": req.tool_mode, "parallel": req.parallel_tool_calls is not False}, "tools"
+        if req.response_format is not None and req.response_format.type == "json_object":
+            return {"kind": "json_object"}, "response_format"
+        if req.response_format is not None and req.response_format.type == "json_schema":
+            return {"kind": "json_schema", "schema": req.response_format.json_schema.schema_}, "response_format"
+        return None
+
+    def _refuse_grammar_early(self, kind: str, req, tenant: str) -> None:
+        """429 grammar_queue_full before the prompt is tokenized, when this tenant's grammar queue is
+        full and the request's grammar is neither compiled nor being compiled for it: the same answer
+        `_grammar` would give after the tokenizing. A flood of new schemas (issue 35, attack 3: ~110
+        refusals a second) then costs the serving loop a parse and a hash each, not a chat template."""
+        pool = self.grammar_pool
+        if pool is None or pool.admits(tenant):
+            return
+        found = self._grammar_job(kind, req)
+        if found is None:
+            return
+        _raw, key = _job_key(found[0])
+        if (self.grammar_cache.get(key) is None and key not in self._grammar_refused
+                and (tenant, key) not in self._grammar_inflight):
+            pool.busy += 1
+            raise _grammar_busy()
+
     async def _grammar(self, kind: str, req, tenant: str, big: int = 0):
         """The compiled grammar that constrains the answer (json_object / json_schema / tool calls),
         None for free text. Compiled and test-run in a worker process (handler.grammar.pool), its
@@ -839,19 +872,10 @@ class LoraHandler:
         compile whose requests all went away is cancelled. `big`: the body's size when it is large
         (its schema is hashed on a prep thread). 400 invalid_schema when a limit is hit or it cannot
         be enforced; 429 when the tenant has too many compiles waiting."""
-        if kind != "chat":
+        found = self._grammar_job(kind, req)
+        if found is None:
             return None
-        if req.tool_mode is not None:
-            job = {"kind": "tools", "tools": [t.model_dump(exclude_none=True) for t in req.tools],
-                   "choice": req.tool_mode, "parallel": req.parallel_tool_calls is not False}
-            param = "tools"
-        elif req.response_format is not None and req.response_format.type == "json_object":
-            job, param = {"kind": "json_object"}, "response_format"
-        elif req.response_format is not None and req.response_format.type == "json_schema":
-            job = {"kind": "json_schema", "schema": req.response_format.json_schema.schema_}
-            param = "response_format"
-        else:
-            return None
+        job, param = found
         if self.grammar_pool is None:
             raise oai.bad_request(f"Invalid {param}: constrained decoding is not available for this model.",
                                   param=param, code="invalid_schema")
@@ -878,9 +902,7 @@ class LoraHandler:
         except GrammarError as e:
             raise oai.bad_request(f"Invalid {param}: {e}", param=param, code="invalid_schema") from None
         except (GrammarBusy, QueueFull):
-            raise oai.OpenAIError(429, "Too many of your grammars are waiting to be compiled; retry shortly.",
-                                  type="rate_limit_error", code="grammar_queue_full",
-                                  headers={"Retry-After": "1"}) from None
+            raise _grammar_busy() from None
         finally:
             shared.requests -= 1
             if shared.requests <= 0 and not shared.task.done():  # every requester went away: stop it
@@ -1009,6 +1031,11 @@ def _prompt_too_long(kind: str, max_ctx: int, n_prompt: int, at_least: bool = Fa
         f"This model's maximum context length is {max_ctx} tokens. However, your prompt has "
         f"{'at least ' if at_least else ''}{n_prompt} tokens.", param="messages" if kind == "chat" else "prompt",
         code="context_length_exceeded")
+
+
+def _grammar_busy() -> oai.OpenAIError:
+    return oai.OpenAIError(429, "Too many of your grammars are waiting to be compiled; retry shortly.",
+                           type="rate_limit_error", code="grammar_queue_full", headers={"Retry-After": "1"})
 
 
 def _job_key(job: dict) -> tuple[bytes, str]:

@@ -111,6 +111,46 @@ def test_timeout_and_memory_limits_name_their_flag(tokenizer, monkeypatch):
     assert err.limit == "memory" and "--grammar-memory-bytes" in str(err), err
 
 
+def test_a_regex_that_expands_without_end_is_refused_by_fuel_not_by_the_timeout(tokenizer):
+    """Issue 35's flood schema (`^(a{1000}){N}$`) ran its test masks for seconds (3.5 s at N=300 with
+    llguidance's default lexer fuel), until the worker was killed at --grammar-timeout-s and respawned.
+    Under INITIAL_LEXER_FUEL it is a parser_limit refusal with the worker kept, while schemas people
+    send (a 3,000-string enum, 200 required properties of mixed types, formats, patterns, nesting;
+    10,000 required properties in test_grammar_replica) still compile."""
+    words = [f"w{i}x{i * 7 % 13}" for i in range(3000)]
+    legit = [
+        {"type": "string", "enum": words},
+        {"type": "object", "properties": {f"p{i}": {"type": ["string", "integer", "null"]} for i in range(200)},
+         "required": [f"p{i}" for i in range(200)]},
+        {"type": "object", "properties": {"email": {"type": "string", "format": "email"},
+                                          "at": {"type": "string", "format": "date-time"},
+                                          "id": {"type": "string", "format": "uuid"},
+                                          "phone": {"type": "string", "pattern": "^\\+?[0-9]{1,3}[- ]?[0-9]{3}[- ]?[0-9]{4}$"},
+                                          "bio": {"type": "string", "minLength": 10, "maxLength": 500}},
+         "required": ["email", "at", "id", "phone", "bio"]},
+        {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {
+            "b": {"type": "array", "items": {"type": "number"}, "minItems": 3, "maxItems": 50},
+            "c": {"type": "string", "pattern": "^[A-Z]{2,10}-[0-9]{1,6}$"}}, "required": ["b", "c"]}}},
+         "required": ["a"]},
+    ]
+
+    async def main():
+        pool = await _pool(tokenizer, workers=1, timeout_s=600)  # no timeout can refuse it here
+        try:
+            pids = pool.pids()
+            for n in (300, 301, 1300):
+                with pytest.raises(GrammarError) as e:
+                    await pool.compile({"kind": "json_schema", "schema": {"type": "string", "pattern": "^(a{1000}){%d}$" % n}})
+                assert e.value.limit == "parser_limit" and "too many expressions" in str(e.value), e.value
+            for schema in legit:
+                assert (await pool.compile({"kind": "json_schema", "schema": schema})).grammar
+            assert pool.pids() == pids and pool.respawns == 0  # one worker did all of it
+        finally:
+            await pool.close()
+
+    run(main())
+
+
 def test_grammar_cache_is_bounded_by_bytes_and_per_tenant():
     cache = constrained.GrammarCache(max_bytes=1000, tenant_bytes=400)
 
