@@ -45,8 +45,8 @@ The replica then builds its own matcher from the validated grammar (handler.gram
 GrammarBuilder): llguidance drops the GIL while it compiles, so that runs on one background thread
 (niced, REPLICA_STACK_BYTES of stack, 8x the worker's: the compile is deterministic, so a grammar
 that compiled in the worker cannot overflow the replica's stack). What the engine does with the
-matcher afterwards is bounded by llguidance's per-step limits (LLParserLimits defaults, the same in
-worker and replica): a mask costs at most step_lexer_fuel (200k, ~14 ms) + step_max_items (50k,
+matcher afterwards is bounded by llguidance's limits (LLParserLimits defaults but the lexer fuel,
+constrained.INITIAL_LEXER_FUEL; the same in worker and replica): a mask costs at most step_lexer_fuel (200k, ~14 ms) + step_max_items (50k,
 ~2.5 ms); a limit hit mid-generation puts the matcher in an error state, and the engine ends that
 row with a grammar error (never "stop" with a broken document).
 
