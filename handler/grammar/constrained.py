@@ -229,11 +229,17 @@ class GrammarBuilder:
     """The replica's side of a validated grammar: its matcher, compiled on a few background threads.
 
     llguidance drops the GIL while it compiles, so the event loop and the engine thread run on; the
-    threads are niced (the decode loop wins a shared core) and have a REPLICA_STACK_BYTES stack, 8x
+    threads are niced (the decode loop wins a shared core), except one for grammars the worker timed
+    under QUICK_BUILD_S, and have a REPLICA_STACK_BYTES stack, 8x
     the worker's compile thread (the compile is deterministic: what compiled there cannot overflow
     here). The cost is what the worker just spent, within its time and memory limits. Builds wait
     in per-tenant queues taken round robin (handler.threads.FairThreadPool), a tenant on at most all
     threads but one: another tenant's build never waits behind one tenant's stream of slow ones."""
+
+    # a grammar whose worker compile and test-run took less than this is built at the serving loop's
+    # priority on a thread of its own: bounded work (the build is deterministic and cheaper than what
+    # the worker timed), which niced would wait behind every other runnable thread on a busy host
+    QUICK_BUILD_S = 0.02
 
     def __init__(self, tokenizer, vocab_size: int, nice: int = 10, threads: int = 2):
         self.tokenizer = tokenizer
@@ -241,6 +247,7 @@ class GrammarBuilder:
         self.nice = nice
         self.threads = max(1, int(threads))
         self._pool: FairThreadPool | None = None
+        self._quick: FairThreadPool | None = None
 
     def start(self) -> None:
         """Build the llguidance tokenizer and the threads (call once, off the event loop)."""
@@ -249,6 +256,8 @@ class GrammarBuilder:
         # a backstop, not the limit a tenant meets
         self._pool = FairThreadPool(self.threads, name="lorafarm-grammar", tenant_cap=64, total_cap=1024,
                                     nice=self.nice, stack_bytes=REPLICA_STACK_BYTES).start()
+        self._quick = FairThreadPool(1, name="lorafarm-grammar-quick", tenant_cap=64, total_cap=1024,
+                                     nice=0, stack_bytes=REPLICA_STACK_BYTES).start()
 
     def _build(self, grammar: str, cost: int) -> CompiledGrammar:
         base = new_base_matcher(self.llt, grammar)
@@ -256,10 +265,12 @@ class GrammarBuilder:
             raise ValueError(f"the grammar does not compile: {base.get_error()}")
         return CompiledGrammar(grammar, base, len(grammar) + max(int(cost), 2 * len(grammar)))
 
-    async def build(self, grammar: str, cost: int, tenant: str = "-") -> CompiledGrammar:
+    async def build(self, grammar: str, cost: int, tenant: str = "-", compile_s: float | None = None) -> CompiledGrammar:
         """The matcher of a validated grammar, built in `tenant`'s turn (handler.threads.QueueFull
-        when the tenant has too many builds waiting)."""
-        return await self._pool.run(tenant, 1, self._build, grammar, cost)
+        when the tenant has too many builds waiting); on the un-niced thread when the worker's
+        `compile_s` says it is quick."""
+        quick = compile_s is not None and compile_s < self.QUICK_BUILD_S and self._quick is not None
+        return await (self._quick if quick else self._pool).run(tenant, 1, self._build, grammar, cost)
 
     async def trim(self) -> None:
         """malloc_trim on a build thread: after evictions, the freed matchers' memory goes back
@@ -270,8 +281,9 @@ class GrammarBuilder:
         return self._pool.stats() if self._pool is not None else {}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        for pool in (self._pool, self._quick):
+            if pool is not None:
+                pool.close()
 
 
 def malloc_trim() -> None:

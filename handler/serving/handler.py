@@ -917,7 +917,7 @@ class LoraHandler:
         try:
             res = await self.grammar_pool.compile(job, tenant)
             try:
-                compiled = await self.grammar_builder.build(res.grammar, res.cost, tenant)
+                compiled = await self.grammar_builder.build(res.grammar, res.cost, tenant, res.compile_s)
             except ValueError as e:  # the worker compiled it: should not happen
                 raise GrammarError(str(e)) from None
         except GrammarError as e:

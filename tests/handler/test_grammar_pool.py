@@ -182,3 +182,39 @@ def test_cut_off_tool_calls_never_become_content():
     content, calls = constrained.parse_tool_calls('Let me look. <tool_call>{"name": "f", "arg')
     assert content == "Let me look. " and calls == []
     assert constrained.parse_tool_calls("a < b") == ("a < b", [])
+
+
+def test_a_quick_grammar_is_built_at_the_loops_priority_a_slow_one_niced(tokenizer):
+    """The replica's matcher build: one whose worker compile took under QUICK_BUILD_S runs on the
+    un-niced thread (on a busy host a niced thread waits behind every other runnable one: issue 35's
+    grammar flood doubled a victim's small-schema request that way); a slower one, or one with no
+    timing, on the niced pool. Both give a working matcher."""
+    import os
+    import threading
+
+    builder = constrained.GrammarBuilder(tokenizer, len(tokenizer), nice=10, threads=1)
+    builder.start()
+    seen: list[tuple[str, int]] = []
+    real = builder._build
+
+    def spy(grammar, cost):
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(grammar, cost)
+
+    builder._build = spy
+    grammar = constrained.json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def main():
+        for compile_s in (0.001, 0.5, None):
+            compiled = await builder.build(grammar, 0, "t", compile_s)
+            assert not compiled.matcher().is_error()
+
+    try:
+        run(main())
+    finally:
+        builder.close()
+    (quick, quick_nice), (slow, slow_nice), (untimed, _) = seen
+    assert quick.startswith("lorafarm-grammar-quick") and quick_nice == base
+    assert not slow.startswith("lorafarm-grammar-quick") and slow_nice == max(base, 10)
+    assert not untimed.startswith("lorafarm-grammar-quick")
