@@ -26,8 +26,9 @@ request of a phase is waited for. Then the attacker hangs up and the replica set
           streamed chats (8 tokens): the victim's TTFT.
   2       a loop of ~900 KB prompts (--huge-loops 1) vs the victim's 18 KB requests (over the 16 KiB
           inline limit: prepared on the prep threads): the victim's whole request time.
-  3       ~140 concurrent distinct slow-to-refuse schemas (`^(a{1000}){N}$`, each a compile that runs
-          to --grammar-timeout-s; a 429 retried after its Retry-After) vs the victim's new-schema
+  3       ~140 concurrent distinct slow-to-refuse schemas (`^(a{1000}){N}$`, each a compile that ran
+          to --grammar-timeout-s before the lexer-fuel bound, ~0.2 s now; a 429 retried after its
+          Retry-After) vs the victim's new-schema
           requests: whole request time and the victim's 429s.
   4       the attacker keeps 8 slow schemas queued, then sends the schema the victim is about to
           use, then the victim sends it: the victim's whole request time.
@@ -165,7 +166,8 @@ def schema_format(schema: dict, name: str = "s") -> dict:
 
 
 def slow_schema(n: int) -> dict:
-    """The issue's flood: a tiny schema whose compile runs until the replica's grammar timeout."""
+    """The issue's flood: a tiny schema whose compile ran until the replica's grammar timeout (now
+    refused by llguidance's lexer fuel, handler.grammar.constrained.INITIAL_LEXER_FUEL)."""
     return schema_format({"type": "string", "pattern": "^(a{1000}){%d}$" % n})
 
 
@@ -896,8 +898,9 @@ def describe(st: dict) -> list[str]:
         f"18 KB requests (over the 16 KiB inline limit: parsed and tokenized on the prep threads; "
         f"{g('victim_tokens_other', 4)} tokens) at {g('victim_rate', 3):g}/s: their time |",
         f"| 3 | {g('flood', 140)} concurrent distinct slow-to-refuse schemas "
-        "`{\"type\":\"string\",\"pattern\":\"^(a{1000}){N}$\"}` (a compile runs to the replica's "
-        "`--grammar-timeout-s`, 4 s, then 400); a 429 is retried after its `Retry-After` (1 s) | requests with "
+        "`{\"type\":\"string\",\"pattern\":\"^(a{1000}){N}$\"}` (a compile that ran to the replica's "
+        "`--grammar-timeout-s`, 4 s, before its lexer-fuel bound; now a 400 after ~0.2 s of a worker); a 429 is "
+        "retried after its `Retry-After` (1 s) | requests with "
         "a new schema each (a compile each), one at a time: their time, and the victim's 429s |",
         f"| 4 | {g('queue_depth', 8)} slow schemas kept in flight (its own worker slot and queue), then the "
         f"schema the victim is about to use | that schema, {g('share_lead_s', 0.3):g} s after the attacker's, "

@@ -75,7 +75,7 @@ HANG = schema({"title": FAULT_TITLE, "type": "object"})  # holds a grammar worke
 
 
 def slow(n: int) -> dict:
-    """The issue's flood: distinct schemas that take seconds to refuse once compiled."""
+    """The issue's flood: distinct schemas that took seconds to refuse (now ~0.2 s, by the lexer fuel)."""
     return schema({"type": "string", "pattern": "^(a{1000}){%d}$" % n})
 
 
