@@ -235,15 +235,13 @@ class AdapterCache:
         self.disk_dir = Path(disk_dir)
         self.adapters_dir = self.disk_dir / "adapters"
         self.tmp_dir = self.disk_dir / "tmp"
-        self.ram_bytes = int(ram_bytes)
-        self.disk_bytes = int(disk_bytes)
         self.rank_limit = int(rank_limit)
         self.metrics = metrics
         self.dtype = dtype
         self.pin_memory = pin_memory
         lora = getattr(engine, "lora", None)
         pools = {int(r): int(n) for r, n in (getattr(lora, "pools", None) or [])}
-        self.policy = SlotPolicy(pools, ram_bytes=self.ram_bytes, disk_bytes=self.disk_bytes)
+        self.policy = SlotPolicy(pools, ram_bytes=int(ram_bytes), disk_bytes=int(disk_bytes))  # the tiers' budgets
         self.counters = self.policy.counters
         self.load_times = LoadTimes()
         self.prefetch_hits = 0
@@ -285,6 +283,14 @@ class AdapterCache:
         self._trim_disk()
         self._update_gauges()
 
+    @property
+    def ram_bytes(self) -> int:
+        return self.policy.ram_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.policy.disk_bytes
+
     def has_room(self, tier: str, share: float = 0.9, pending: int = 0) -> bool:
         """Whether `tier` ("ram" or "disk") holds less than `share` of its budget, counting `pending`
         pulls already under way at the tier's mean entry size. Background pulls stop there: pulling
@@ -302,7 +308,6 @@ class AdapterCache:
         if usable < self.disk_bytes:
             log.warning("disk tier budget %.1f GiB capped at %.1f GiB: half of what it holds plus the free space of %s",
                         self.disk_bytes / 2**30, usable / 2**30, self.adapters_dir)
-            self.disk_bytes = usable
             self._disk_evicted(self.policy.set_budget("disk", usable))
 
     def _scan_disk(self) -> list[tuple[str, int, float]]:

@@ -96,8 +96,6 @@ class SlotPolicy:
     def __init__(self, pools: dict[int, int], *, ram_bytes: int, disk_bytes: int,
                  clock: Callable[[], float] = time.monotonic, popularity_half_life_s: float = 300.0):
         self.pools = {int(r): int(s) for r, s in sorted(pools.items())}
-        self.ram_bytes = int(ram_bytes)
-        self.disk_bytes = int(disk_bytes)
         self.clock = clock
         self.counters = SlotCounters()
         self._slots: dict[str, Slot] = {}
@@ -105,7 +103,7 @@ class SlotPolicy:
         self._held: dict[str, int] = {}  # adapter_id -> holders: not evictable
         self._lists: dict[str, OrderedDict[str, int]] = {"ram": OrderedDict(), "disk": OrderedDict()}
         self._used = {"ram": 0, "disk": 0}
-        self._budget = {"ram": self.ram_bytes, "disk": self.disk_bytes}
+        self._budget = {"ram": int(ram_bytes), "disk": int(disk_bytes)}
         self._pinned_disk: dict[str, int] = {}
         self._load_size: dict[str, int] = {}  # acquire(): sizes of loads in flight
         self.popularity_half_life_s = float(popularity_half_life_s)
@@ -306,10 +304,17 @@ class SlotPolicy:
 
     # -- RAM and disk ------------------------------------------------------------------------
 
+    @property
+    def ram_bytes(self) -> int:
+        return self._budget["ram"]
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._budget["disk"]
+
     def set_budget(self, tier: str, nbytes: int) -> list[str]:
         """Change `tier`'s byte budget; returns the LRU victims pushed out by a smaller one."""
         self._budget[tier] = int(nbytes)
-        setattr(self, f"{tier}_bytes", int(nbytes))
         return self.trim(tier)
 
     def put(self, tier: str, adapter_id: str, nbytes: int) -> list[str] | None:

@@ -269,7 +269,7 @@ class GrammarBuilder:
         """The matcher of a validated grammar, built in `tenant`'s turn (handler.threads.QueueFull
         when the tenant has too many builds waiting); on the un-niced thread when the worker's
         `compile_s` says it is quick."""
-        quick = compile_s is not None and compile_s < self.QUICK_BUILD_S and self._quick is not None
+        quick = compile_s is not None and compile_s < self.QUICK_BUILD_S
         return await (self._quick if quick else self._pool).run(tenant, 1, self._build, grammar, cost)
 
     async def trim(self) -> None:

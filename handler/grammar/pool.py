@@ -579,6 +579,11 @@ class GrammarPool:
         """Whether a new compile of `tenant` would be queued now (else `compile` raises GrammarBusy)."""
         return self._queues.admits(tenant)
 
+    def count_busy(self) -> None:
+        """Count a compile refused because its tenant's queue is full (`busy`): `compile` does, and so
+        does a caller that refuses before calling it."""
+        self.busy += 1
+
     # -- compiling ----------------------------------------------------------------------------
 
     async def compile(self, job: dict | bytes, tenant: str = "-") -> WorkerResult:
@@ -588,7 +593,7 @@ class GrammarPool:
         if not self._started or self._closed:
             raise GrammarError("the grammar workers are not running", "unavailable")
         if not self._queues.admits(tenant):
-            self.busy += 1
+            self.count_busy()
             raise GrammarBusy()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queues.push(tenant, fut)

@@ -285,19 +285,21 @@ class ReplicaService:
             n_warm = n_warm if first else 0
             sem = asyncio.Semaphore(2)
             left = []  # owned, but the disk tier is full: they stay in the store until asked for
-            running = [0]  # pulls under way (their bytes are not in the tiers yet)
+            running = 0  # pulls under way (their bytes are not in the tiers yet)
 
             async def pull(aid: str, warm: bool):
+                nonlocal running
                 async with sem:
                     try:
                         if warm:
                             await cache.load(aid)
-                        elif cache.has_room("disk", pending=running[0]):  # else it evicts what was just pulled
-                            running[0] += 1
+                        elif cache.has_room("disk", pending=running):  # else it evicts what was just pulled
+                            to_ram = cache.has_room("ram", pending=running)
+                            running += 1
                             try:
-                                await cache.prefetch(aid, to_ram=cache.has_room("ram", pending=running[0] - 1))
+                                await cache.prefetch(aid, to_ram=to_ram)
                             finally:
-                                running[0] -= 1
+                                running -= 1
                         else:
                             left.append(aid)
                     except (AdapterLoadError, AdapterNotFoundError) as e:

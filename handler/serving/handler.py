@@ -860,7 +860,7 @@ class LoraHandler:
         _raw, key = _job_key(found[0])
         if (self.grammar_cache.get(key) is None and key not in self._grammar_refused
                 and (tenant, key) not in self._grammar_inflight):
-            pool.busy += 1
+            pool.count_busy()
             raise _grammar_busy()
 
     async def _grammar(self, kind: str, req, tenant: str, big: int = 0):
